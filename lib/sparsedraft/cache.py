@@ -1,0 +1,138 @@
+"""KV caches: the only place that decides what a step attends to.
+
+Every cache follows one protocol, driven by :meth:`Transformer.forward`:
+
+1. ``begin(positions)`` once per forward with the new tokens' positions
+   ``[B, T]``; returns the positions RoPE should use (true positions unless
+   the cache re-rotates, like StreamingLLM's cache-relative mode).
+2. ``attend(layer, k, v)`` per layer with the new keys/values
+   ``[B, kv_heads, T, head_dim]``; stores them and returns
+   ``(keys, values, mask)`` where keys/values are ``[B, kv_heads, S, head_dim]``
+   views and ``mask`` is ``None`` (attend to all S) or bool ``[B, 1, T, S]``.
+3. ``end()`` commits the T tokens.
+
+``rollback(n)`` forgets the last n committed tokens (rejected drafts) and
+``reset()`` empties the cache. The model never asks which policy it talks to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .errors import require
+
+
+class KVCache:
+    """Interface and shared bookkeeping; subclasses own the buffers."""
+
+    keys_prerope = False  # True: the model hands keys unrotated and the cache rotates them
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        raise NotImplementedError
+
+    def end(self) -> None:
+        raise NotImplementedError
+
+    def rollback(self, n: int) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [B, 1, T, S]: key visible when its position is <= the query's (and inside the window)."""
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    return mask[:, None]
+
+
+class StaticCache(KVCache):
+    """Full KV cache over preallocated buffers ``[B, kv_heads, max_len, head_dim]`` per layer.
+
+    Appending is an index write, rolling back is a length change, and the mask
+    is built from stored positions, so rejected drafts need no copying.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_len: int, batch: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        require(max_len > 0, f"cache max_len must be > 0, got {max_len}")
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.window = cfg.sliding_window
+        self.max_len, self.batch, self.length = max_len, batch, 0
+        self._new = 0
+        self._mask: torch.Tensor | None = None
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        n = positions.shape[1]
+        require(self.length + n <= self.max_len,
+                f"prompt/step of {n} tokens does not fit: cache holds {self.length} of {self.max_len} slots; "
+                f"create the cache with max_len >= {self.length + n}")
+        end = self.length + n
+        self.pos[:, self.length:end] = positions
+        self._new = n
+        needs_mask = n > 1 or (self.window is not None and end > self.window)
+        self._mask = causal_mask(positions, self.pos[:, :end], self.window) if needs_mask else None
+        return positions
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        start, end = self.length, self.length + self._new
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end], self._mask
+
+    def end(self) -> None:
+        self.length += self._new
+        self._new = 0
+
+    def rollback(self, n: int) -> None:
+        require(0 <= n <= self.length, f"cannot roll back {n} tokens from a cache of {self.length}")
+        self.length -= n
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """Committed keys of one layer, [B, kv_heads, length, head_dim] (a view)."""
+        return self.k[layer][:, :, :self.length]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.v[layer][:, :, :self.length]
+
+
+class SequenceView(KVCache):
+    """Stateless causal attention over the tokens of one forward (training, analysis).
+
+    Holds no buffers, so it is autograd-friendly; ``extra_mask`` ([B, 1, T, T]
+    bool, optional) further restricts what each query sees, e.g. a KV budget.
+    """
+
+    def __init__(self, window: int | None = None, extra_mask: torch.Tensor | None = None):
+        self.window, self.extra_mask = window, extra_mask
+        self._mask: torch.Tensor | None = None
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        self._mask = causal_mask(positions, positions, self.window)
+        if self.extra_mask is not None:
+            self._mask = self._mask & self.extra_mask
+        return positions
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        return k, v, self._mask
+
+    def end(self) -> None:
+        self._mask = None
+
+    def rollback(self, n: int) -> None:
+        require(n == 0, "a SequenceView keeps no state to roll back")
+
+    def reset(self) -> None:
+        self._mask = None

@@ -1,0 +1,198 @@
+"""One decoder-only transformer forward for Llama, Mistral, Qwen2 and Qwen3.
+
+``forward(tokens, positions, cache)`` is the whole interface: positions are
+explicit and the cache (see :mod:`sparsedraft.cache`) decides which keys and
+values each layer attends to and with what mask. Families differ only by
+config switches (qkv bias, q/k norm, sliding window, tied head).
+
+Grouped-query attention never copies KV heads: the queries of a group are
+folded into the sequence axis, ``[B, H, T, D] -> [B, kv_heads, group*T, D]``,
+so one attention call per layer reads each cached key once. A
+:class:`Capture` records post-RoPE queries and/or attention weights of chosen
+layers through the same attention function (weights force the explicit
+softmax path, which the tests check against the fused one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache, SequenceView, StaticCache
+from .config import ModelConfig
+from .errors import require
+from .rope import Rotary
+
+try:  # optional CUDA kernel; SDPA is the path the tests cover
+    from flash_attn import flash_attn_func as _flash_attn_func
+except ImportError:  # pragma: no cover - depends on the machine
+    _flash_attn_func = None
+
+
+@dataclass
+class Capture:
+    """Ask the forward to record per-layer tensors (for the analysis notebooks).
+
+    queries: post-RoPE queries [B, H, T, D]; weights: softmax attention
+    [B, H, T, S] over the keys the cache exposed; key_positions are not
+    needed because caches expose keys in slot order.
+    """
+
+    layers: set[int]
+    weights: bool = False
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float, need_weights: bool = False):
+    """q [B, H, T, D], k/v [B, KV, S, D], mask None or bool [B, 1, T, S].
+
+    Returns (out [B, H, T, D], weights [B, H, T, S] or None).
+    """
+    b, h, t, d = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    qg = q.reshape(b, kv, g * t, d)
+    mg = None if mask is None else mask[:, :, None].expand(-1, -1, g, -1, -1).reshape(b, 1, g * t, -1)
+    if need_weights:
+        scores = (qg @ k.transpose(-1, -2)).float() * scale
+        if mg is not None:
+            scores = scores.masked_fill(~mg, float("-inf"))
+        w = scores.softmax(-1)
+        out = (w.to(v.dtype) @ v).reshape(b, h, t, -1)
+        return out, w.reshape(b, h, t, -1)
+    if _flash_attn_func is not None and q.is_cuda and mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        out = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
+        return out.transpose(1, 2), None
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
+    return out.reshape(b, h, t, -1), None
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        d = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = d ** -0.5
+
+    def forward(self, x, angles, cache: KVCache, capture: Capture | None):
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = angles.apply(q)
+        if not cache.keys_prerope:
+            k = angles.apply(k)
+        keys, values, mask = cache.attend(self.layer, k, v)
+        record = capture is not None and self.layer in capture.layers
+        out, weights = attention(q, keys, values, mask, self.scale, need_weights=record and capture.weights)
+        if record:
+            capture.queries[self.layer] = q.detach()
+            if weights is not None:
+                capture.attention[self.layer] = weights.detach()
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, angles, cache, capture):
+        x = x + self.self_attn(self.input_layernorm(x), angles, cache, capture)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj``...)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg)
+
+    def new_cache(self, max_len: int, batch: int = 1) -> StaticCache:
+        """A full static cache on this model's device and dtype (checks the model's context limit)."""
+        require(max_len <= self.cfg.max_position_embeddings,
+                f"context of {max_len} tokens exceeds the model's maximum of "
+                f"{self.cfg.max_position_embeddings} (max_position_embeddings); use a shorter prompt "
+                "or a checkpoint trained for longer context")
+        return StaticCache(self.cfg, max_len, batch, self.dtype, self.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, *, last_only: bool = False,
+                capture: Capture | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] (or [B, 1, V] with ``last_only``).
+
+        ``positions`` [B, T] (or [T]) default to ``cache.length + arange(T)``;
+        without a cache the tokens attend causally to each other only.
+        """
+        if cache is None:
+            cache = SequenceView(self.cfg.sliding_window)
+        if positions is None:
+            start = getattr(cache, "length", 0)
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        if positions.dim() == 1:
+            positions = positions[None].expand(tokens.shape[0], -1)
+        rope_positions = cache.begin(positions)
+        angles = self.rotary.angles(rope_positions, self.dtype)
+        x = self.embed_tokens(tokens)
+        for block in self.layers:
+            x = block(x, angles, cache, capture)
+        cache.end()
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
