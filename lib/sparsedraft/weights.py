@@ -15,6 +15,7 @@ memory stays near one copy of the model.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -96,6 +97,13 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
         raise SparsedraftError(f"{where} is neither a .gguf file nor a folder with config.json; "
                                "pass one of those")
     return _assemble(cfg, tensors, dtype, device)
+
+
+def from_state_dict(cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]] | dict,
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    """Build a model from (name, tensor) pairs with Hugging Face names (``model.`` prefix optional)."""
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    return _assemble(cfg, ((_strip(n), t) for n, t in items), dtype, device)
 
 
 def _assemble(cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]],
@@ -254,7 +262,20 @@ def load_tokenizer(spec: str | os.PathLike):
     if isinstance(where, str):
         raise SparsedraftError(f"{spec!r} is a random tiny model without a tokenizer; pass token ids directly")
     from transformers import AutoTokenizer
-    if where.suffix == ".gguf":
-        _open_gguf(where)  # clear error for a corrupt file before transformers parses it
-        return AutoTokenizer.from_pretrained(str(where.parent), gguf_file=where.name)
-    return AutoTokenizer.from_pretrained(str(where))
+    if where.suffix != ".gguf":
+        return AutoTokenizer.from_pretrained(str(where))
+    # Converting a GGUF vocabulary takes ~10 s; keep the converted tokenizer keyed by file identity.
+    stat = where.stat()
+    key = hashlib.sha256(f"{where.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    _open_gguf(where)  # clear error for a corrupt file before transformers parses it
+    tokenizer = AutoTokenizer.from_pretrained(str(where.parent), gguf_file=where.name)
+    tokenizer.save_pretrained(str(cached))
+    return tokenizer
+
+
+def cache_dir() -> Path:
+    """Where derived artefacts live (``$SPARSEDRAFT_CACHE`` or ~/.cache/sparsedraft)."""
+    return Path(os.environ.get("SPARSEDRAFT_CACHE", Path.home() / ".cache" / "sparsedraft"))

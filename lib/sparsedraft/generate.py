@@ -1,0 +1,92 @@
+"""Autoregressive generation: the baseline every speedup is measured against.
+
+:func:`prefill` fills a cache in chunks (bounded activation memory at 8K and
+beyond) and returns the last logits; :func:`generate` decodes one token per
+forward and reports prefill and decode times separately, with the device
+synchronised around each timed region.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .cache import KVCache
+from .errors import require
+from .model import Transformer
+from .sampling import SamplingConfig, choose
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor  # [B, N] generated ids (prompt excluded)
+    prefill_s: float  # wall time of the prompt forward(s)
+    decode_s: float  # wall time of the token-by-token loop
+    prompt_len: int
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1000 * self.decode_s / max(self.tokens.shape[1], 1)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_prompt(model: Transformer, prompt: torch.Tensor, max_new_tokens: int) -> None:
+    """Fail fast on a prompt that cannot run (before any forward)."""
+    require(prompt.dim() == 2 and prompt.shape[1] > 0, f"prompt must be [batch, tokens] with tokens > 0, "
+                                                       f"got shape {tuple(prompt.shape)}")
+    require(max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    total = prompt.shape[1] + max_new_tokens
+    require(total <= model.cfg.max_position_embeddings,
+            f"prompt ({prompt.shape[1]}) + new tokens ({max_new_tokens}) = {total} exceeds the model's maximum "
+            f"context of {model.cfg.max_position_embeddings}; shorten the prompt or generate fewer tokens")
+    require(int(prompt.max()) < model.cfg.vocab_size and int(prompt.min()) >= 0,
+            f"prompt holds token ids outside the vocabulary [0, {model.cfg.vocab_size}); "
+            "use the tokenizer that belongs to this model")
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, cache: KVCache, prompt: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Run ``prompt`` [B, T] through ``cache`` in chunks; return the last logits [B, V]."""
+    logits = None
+    for start in range(0, prompt.shape[1], chunk):
+        logits = model(prompt[:, start:start + chunk], cache=cache, last_only=True)
+    return logits[:, -1]
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int,
+             sampling: SamplingConfig = SamplingConfig(), cache: KVCache | None = None,
+             eos_token_id: int | None = None,
+             on_token: Callable[[torch.Tensor], None] | None = None) -> GenerationResult:
+    """Plain decoding. ``cache`` defaults to a full static cache sized for the run."""
+    check_prompt(model, prompt, max_new_tokens)
+    prompt = prompt.to(model.device)
+    cache = cache if cache is not None else model.new_cache(prompt.shape[1] + max_new_tokens, prompt.shape[0])
+    gen = sampling.generator(model.device)
+    synchronize(model.device)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, prompt)
+    synchronize(model.device)
+    t1 = time.perf_counter()
+    out = []
+    for _ in range(max_new_tokens):
+        token = choose(logits, sampling, gen)
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
+        if eos_token_id is not None and bool((token == eos_token_id).all()):
+            break
+        if len(out) == max_new_tokens:
+            break
+        logits = model(token[:, None], cache=cache)[:, -1]
+    synchronize(model.device)
+    t2 = time.perf_counter()
+    tokens = torch.stack(out, 1) if out else prompt.new_zeros(prompt.shape[0], 0)
+    return GenerationResult(tokens.cpu(), t1 - t0, t2 - t1, prompt.shape[1])

