@@ -1,0 +1,311 @@
+"""Cost model of two- and three-level speculation, and the seed's walkthroughs.
+
+Levels. Level 1 is the tiny draft (StreamingLLM cache), one forward per
+drafted token. Level 2 is the target on its retrieval cache: one forward
+verifies the γ1 drafts of a round. Level 3 is the target on its full cache:
+one forward verifies everything level 2 holds. Every forward of a level costs
+the same (``LevelCosts``): decoding is memory bound, so checking a few tokens
+costs one read of weights + cache.
+
+Iteration rule (used by both the explicit schedules and the expectation):
+1. Level 2 runs rounds. A round is γ1 level-1 draft forwards plus one level-2
+   verify that accepts k of the γ1 drafts and adds one token of its own (the
+   correction after a rejection, or the bonus token when all pass), so a round
+   emits k + 1 tokens.
+2. Rounds repeat until level 2 holds at least γ2 tokens (it may overshoot by
+   up to γ1).
+3. One level-3 verify accepts a of the held tokens and emits a + 1 tokens; only
+   these reach the output. Vanilla decoding costs one level-3 forward per token.
+
+Expected tokens per verify. With i.i.d. acceptance α per drafted token and γ
+drafts, E[accepted + 1] = 1 + α + … + α^γ = (1 − α^(γ+1)) / (1 − α) (γ + 1 when
+α = 1). Two levels: ms/token = (γ·c_draft + c_target) / that. Three levels:
+:func:`predict_ms_per_token` takes the expectation of the rule above exactly
+(a small dynamic programme over how many tokens level 2 holds, including the
+overshoot) and divides E[ms per iteration] by E[tokens per iteration]
+(renewal–reward: the long-run ms/token of repeated independent iterations).
+
+The seed's walkthroughs (γ1 = 2, γ2 = 6, costs 0.45 / 14 / 56 ms) give totals
+but no step list. With one level-3 verify per iteration,
+100.7 = 56 + 14·k2 + 0.45·k1 has the single whole-number solution k2 = 3,
+k1 = 6: three rounds of two drafts. Three rounds reach ≥ 6 held tokens only
+if the first two emit fewer than 6, so one round must stop at a rejection:
+emitted 3 + 1 + 3 = 7 held, all accepted at level 3 plus its bonus = 8
+tokens (:func:`seed_normal_schedule`). Had every draft passed, level 2 would
+hold 6 after two rounds: 85.8 ms for 7 tokens (12.3 ms/token). The collapse
+case (:func:`seed_collapse_schedule`): every round rejects its first draft, so
+six rounds (12 drafts, 6 verifies) fill γ2 = 6; stale retrieval makes level 3
+accept 2 of 6 and add a correction, 3 tokens; 12·0.45 + 6·14 + 56 = 145.4 ms
+plus a cache rebuild. Costs exclude retrieval, cache updates and kernel
+overheads (``overhead_ms`` adds them per iteration).
+
+Scaling with context (Fig. 5 style, :func:`speedup_vs_context`): each level's
+cost is its ideal read time (:mod:`.bottleneck`): the tiny draft reads its
+weights and a fixed StreamingLLM cache, the retrieval level the target's
+weights and a fixed budget of KV, the full level the target's weights and the
+whole context. Acceptance rates are held fixed across context, so the bound
+rises with context only because the full target slows down while the drafts
+do not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import pandas as pd
+
+from ..config import ModelConfig
+from ..errors import require
+from ..costs import kv_bytes, weight_bytes
+from .bottleneck import ideal_latency_ms
+from .profiles import Hardware
+
+
+@dataclass(frozen=True)
+class LevelCosts:
+    """Milliseconds of one forward at each level."""
+
+    draft_ms: float  # level 1: the tiny draft on its StreamingLLM cache
+    retrieval_ms: float  # level 2: the target on its retrieval cache
+    target_ms: float  # level 3: the target on its full cache (= vanilla ms/token)
+
+    def __post_init__(self) -> None:
+        for name in ("draft_ms", "retrieval_ms", "target_ms"):
+            value = getattr(self, name)
+            require(math.isfinite(value) and value > 0, f"LevelCosts.{name} must be a positive ms value, got {value}")
+
+
+SEED_COSTS = LevelCosts(draft_ms=0.45, retrieval_ms=14.0, target_ms=56.0)  # the paper's Fig. 1
+LEVEL_NAMES = {1: "tiny draft", 2: "retrieval target", 3: "full target", 0: "cache rebuild"}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward (or a rebuild) in an iteration."""
+
+    level: int  # 1, 2, 3, or 0 for a retrieval-cache rebuild
+    action: str  # "draft", "verify" or "rebuild"
+    verified: int  # drafts this step checks (0 when drafting)
+    accepted: int  # of those, accepted
+    emitted: int  # tokens handed up: level 2 -> held for level 3; level 3 -> output
+    ms: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An explicit iteration: the notebook prints :meth:`table`."""
+
+    name: str
+    gamma1: int
+    gamma2: int
+    steps: tuple[Step, ...]
+    vanilla_ms: float  # one full-cache forward per token without speculation
+
+    @property
+    def total_ms(self) -> float:
+        return sum(s.ms for s in self.steps)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.emitted for s in self.steps if s.level == 3)
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.total_ms / self.tokens
+
+    @property
+    def speedup(self) -> float:
+        return self.vanilla_ms / self.ms_per_token
+
+    def table(self) -> pd.DataFrame:
+        """One row per step with the running time and the tokens level 2 holds."""
+        rows, clock, held = [], 0.0, 0
+        for i, s in enumerate(self.steps, 1):
+            clock += s.ms
+            held = held + s.emitted if s.level == 2 else (0 if s.level == 3 else held)
+            rows.append({"step": i, "level": s.level, "model": LEVEL_NAMES[s.level], "action": s.action,
+                         "verified": s.verified, "accepted": s.accepted, "emitted": s.emitted,
+                         "held": held, "ms": s.ms, "clock_ms": clock})
+        return pd.DataFrame(rows)
+
+    def summary(self) -> dict[str, float | int | str]:
+        return {"name": self.name, "gamma1": self.gamma1, "gamma2": self.gamma2, "total_ms": self.total_ms,
+                "tokens": self.tokens, "ms_per_token": self.ms_per_token, "speedup": self.speedup}
+
+
+def _check_gammas(gamma1: int, gamma2: int) -> None:
+    require(gamma1 >= 1, f"gamma1 (drafts per level-2 round) must be >= 1, got {gamma1}")
+    require(gamma2 >= 1, f"gamma2 (tokens level 2 collects for level 3) must be >= 1, got {gamma2}")
+
+
+def build_schedule(costs: LevelCosts, gamma1: int, gamma2: int, level2_accepted: Sequence[int],
+                   level3_accepted: int, rebuild_ms: float | None = None, name: str = "") -> Schedule:
+    """Spell out one iteration from the outcome of each verification (see the module rule).
+
+    ``level2_accepted[r]`` is how many of round r's γ1 drafts level 2 accepts;
+    it must hold exactly the rounds needed to reach γ2 tokens.
+    ``level3_accepted`` counts the held tokens level 3 accepts. ``rebuild_ms``
+    appends a retrieval-cache rebuild (the collapse case triggers one).
+    """
+    _check_gammas(gamma1, gamma2)
+    steps: list[Step] = []
+    held = 0
+    for r, accepted in enumerate(level2_accepted):
+        require(held < gamma2, f"level 2 already holds {held} >= gamma2={gamma2} tokens after {r} rounds; "
+                               f"drop the extra level2_accepted entries {list(level2_accepted[r:])}")
+        require(0 <= accepted <= gamma1, f"level2_accepted[{r}]={accepted} must lie in [0, gamma1={gamma1}]")
+        steps += [Step(1, "draft", 0, 0, 0, costs.draft_ms)] * gamma1
+        steps.append(Step(2, "verify", gamma1, accepted, accepted + 1, costs.retrieval_ms))
+        held += accepted + 1
+    require(held >= gamma2, f"level2_accepted {list(level2_accepted)} leaves level 2 holding {held} < "
+                            f"gamma2={gamma2} tokens; add rounds until it holds at least gamma2")
+    require(0 <= level3_accepted <= held, f"level3_accepted={level3_accepted} must lie in [0, {held}] "
+                                          "(the tokens level 2 holds)")
+    steps.append(Step(3, "verify", held, level3_accepted, level3_accepted + 1, costs.target_ms))
+    if rebuild_ms is not None:
+        require(rebuild_ms >= 0, f"rebuild_ms must be >= 0, got {rebuild_ms}")
+        steps.append(Step(0, "rebuild", 0, 0, 0, rebuild_ms))
+    return Schedule(name, gamma1, gamma2, tuple(steps), costs.target_ms)
+
+
+def seed_normal_schedule(costs: LevelCosts = SEED_COSTS) -> Schedule:
+    """The seed's normal case: 100.7 ms for 8 tokens (one level-2 rejection, level 3 accepts all)."""
+    return build_schedule(costs, 2, 6, level2_accepted=(2, 0, 2), level3_accepted=7, name="normal")
+
+
+def seed_collapse_schedule(rebuild_ms: float = 0.0, costs: LevelCosts = SEED_COSTS) -> Schedule:
+    """The seed's collapse case: 145.4 ms + ``rebuild_ms`` for 3 tokens (locality broken)."""
+    return build_schedule(costs, 2, 6, level2_accepted=(0,) * 6, level3_accepted=2,
+                          rebuild_ms=rebuild_ms, name="collapse")
+
+
+def expected_tokens_per_verify(alpha: float, gamma: int) -> float:
+    """E[accepted + 1] for γ drafts accepted i.i.d. with probability α: (1 − α^(γ+1)) / (1 − α)."""
+    require(0.0 <= alpha <= 1.0, f"acceptance rate alpha must lie in [0, 1], got {alpha}")
+    require(gamma >= 0, f"gamma must be >= 0 drafts, got {gamma}")
+    return gamma + 1.0 if alpha == 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def alpha_from_tokens_per_verify(tokens: float, gamma: int) -> float:
+    """Invert :func:`expected_tokens_per_verify` (measured mean accepted + 1 -> α), by bisection."""
+    require(1.0 <= tokens <= gamma + 1, f"tokens per verify must lie in [1, gamma + 1 = {gamma + 1}], got {tokens}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_tokens_per_verify(mid, gamma) < tokens else (low, mid)
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Long-run cost of repeated iterations."""
+
+    ms_per_iteration: float  # expected
+    tokens_per_iteration: float  # expected
+    vanilla_ms: float
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.ms_per_iteration / self.tokens_per_iteration
+
+    @property
+    def speedup(self) -> float:
+        return self.vanilla_ms / self.ms_per_token
+
+
+def predict_two_level(draft_ms: float, target_ms: float, gamma: int, alpha: float,
+                      overhead_ms: float = 0.0) -> Prediction:
+    """Standard speculative decoding: γ draft forwards + one target verify per iteration."""
+    require(gamma >= 1, f"gamma must be >= 1 drafts, got {gamma}")
+    require(overhead_ms >= 0, f"overhead_ms must be >= 0, got {overhead_ms}")
+    return Prediction(gamma * draft_ms + target_ms + overhead_ms, expected_tokens_per_verify(alpha, gamma), target_ms)
+
+
+def predict_ms_per_token(costs: LevelCosts, gamma1: int, gamma2: int, alpha1: float, alpha2: float,
+                         overhead_ms: float = 0.0) -> Prediction:
+    """Three-level prediction from per-level costs and acceptance rates (exact expectation of the rule).
+
+    ``alpha1``: chance level 2 accepts a level-1 draft; ``alpha2``: chance
+    level 3 accepts a held token; ``overhead_ms``: per-iteration extras
+    (retrieval, cache updates, amortised rebuilds) to compare with measurements.
+    """
+    _check_gammas(gamma1, gamma2)
+    require(overhead_ms >= 0, f"overhead_ms must be >= 0, got {overhead_ms}")
+    expected_tokens_per_verify(alpha1, gamma1)  # validates alpha1
+    emit = {k + 1: alpha1 ** k * (1 - alpha1) for k in range(gamma1)}
+    emit[gamma1 + 1] = alpha1 ** gamma1
+    reach = [0.0] * gamma2  # probability that a round starts with this many tokens held
+    reach[0] = 1.0
+    final: dict[int, float] = {}  # held tokens when level 3 verifies -> probability
+    for held in range(gamma2):
+        for tokens, p in emit.items():
+            after = held + tokens
+            if after < gamma2:
+                reach[after] += reach[held] * p
+            else:
+                final[after] = final.get(after, 0.0) + reach[held] * p
+    rounds = sum(reach)
+    tokens = sum(p * expected_tokens_per_verify(alpha2, held) for held, p in final.items())
+    ms = rounds * (gamma1 * costs.draft_ms + costs.retrieval_ms) + costs.target_ms + overhead_ms
+    return Prediction(ms, tokens, costs.target_ms)
+
+
+@dataclass(frozen=True)
+class HierarchySetup:
+    """What the Fig. 5-style bound assumes besides the hardware and the models."""
+
+    alpha1: float  # level 2 accepts a tiny-draft token
+    alpha2: float  # level 3 accepts a retrieval-level token
+    alpha_tiny: float  # the full target accepts a tiny-draft token (two-level baseline)
+    gamma1: int = 2  # paper App. B.3 optimum
+    gamma2: int = 6
+    tiny_gamma: int = 2  # drafts per verify of the tiny-draft baseline
+    retrieval_budget: int = 4096  # KV tokens of the retrieval cache
+    draft_budget: int = 256  # KV tokens of the tiny draft's StreamingLLM cache
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("alpha1", "alpha2", "alpha_tiny"):
+            value = getattr(self, name)
+            require(0.0 <= value <= 1.0, f"HierarchySetup.{name} must lie in [0, 1], got {value}")
+        _check_gammas(self.gamma1, self.gamma2)
+        for name in ("tiny_gamma", "retrieval_budget", "draft_budget", "dtype_bytes"):
+            require(getattr(self, name) >= 1, f"HierarchySetup.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def level_costs(target: ModelConfig, draft: ModelConfig, hardware: Hardware, context: int,
+                setup: HierarchySetup) -> LevelCosts:
+    """Ideal per-forward ms of the three levels at one context length."""
+    def read_ms(cfg: ModelConfig, cached: int) -> float:
+        return ideal_latency_ms(weight_bytes(cfg, setup.dtype_bytes) + kv_bytes(cfg, cached, setup.dtype_bytes),
+                                hardware)
+    return LevelCosts(draft_ms=read_ms(draft, min(setup.draft_budget, context)),
+                      retrieval_ms=read_ms(target, min(setup.retrieval_budget, context)),
+                      target_ms=read_ms(target, context))
+
+
+def speedup_vs_context(target: ModelConfig, draft: ModelConfig, hardware: Hardware, contexts: Sequence[int],
+                       setup: HierarchySetup) -> pd.DataFrame:
+    """Theoretical speedup over vanilla as the context grows, for TriForce and its two-level parts.
+
+    Long format, one row per (context, method); methods: "triforce" (three
+    levels), "retrieval self-spec" (retrieval target drafts γ2 for the full
+    target) and "tiny draft" (the tiny model drafts for the full target).
+    """
+    require(len(contexts) > 0 and all(c >= 1 for c in contexts),
+            f"contexts must be a non-empty list of token counts >= 1, got {list(contexts)}")
+    rows = []
+    for context in contexts:
+        c = level_costs(target, draft, hardware, int(context), setup)
+        predictions = {
+            "triforce": predict_ms_per_token(c, setup.gamma1, setup.gamma2, setup.alpha1, setup.alpha2),
+            "retrieval self-spec": predict_two_level(c.retrieval_ms, c.target_ms, setup.gamma2, setup.alpha2),
+            "tiny draft": predict_two_level(c.draft_ms, c.target_ms, setup.tiny_gamma, setup.alpha_tiny),
+        }
+        for method, p in predictions.items():
+            rows.append({"context": int(context), "method": method, "draft_ms": c.draft_ms,
+                         "retrieval_ms": c.retrieval_ms, "target_ms": c.target_ms,
+                         "ms_per_token": p.ms_per_token, "speedup": p.speedup})
+    return pd.DataFrame(rows)

@@ -1,0 +1,121 @@
+"""Byte and FLOP formulas against real buffers, hand counts and the paper's Fig. 1."""
+
+import math
+
+import pytest
+
+from sparsedraft.analysis.bottleneck import (attention_flops, bytes_per_token_table, crossover_context,
+                                             fig1_table, flops_per_token_table, footprint_bytes,
+                                             ideal_latency_ms, latency_table, parameter_count, weight_flops)
+from sparsedraft.analysis.profiles import HARDWARE, MODELS, Hardware, this_machine
+from sparsedraft.costs import kv_bytes, weight_bytes
+from sparsedraft.errors import SparsedraftError
+from sparsedraft.tiny import TINY_CONFIGS, tiny_model
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_parameter_count_and_kv_bytes_match_real_buffers(family):
+    model = tiny_model(family)
+    assert parameter_count(model.cfg) == sum(p.numel() for p in model.parameters())
+    cache = model.new_cache(37)
+    buffers = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    assert kv_bytes(model.cfg, 37, dtype_bytes=4) == buffers
+
+
+def test_tiny_llama_hand_counts():
+    cfg = tiny_model("llama").cfg  # 2 layers, hidden 64, 4 heads, 2 KV heads, head_dim 32, vocab 256, tied
+    assert kv_bytes(cfg, 10, 2) == 2 * 2 * 2 * 32 * 10 * 2
+    assert weight_bytes(cfg, 2) == parameter_count(cfg) * 2  # tied: the head reads the whole table
+    assert footprint_bytes(cfg, 10, 2, batch=3) == parameter_count(cfg) * 2 + 3 * kv_bytes(cfg, 10, 2)
+    assert attention_flops(cfg, 10) == 4 * 2 * 4 * 32 * 10
+    per_layer = 64 * (2 * 4 * 32 + 2 * 2 * 32) + 3 * 64 * 128
+    assert weight_flops(cfg) == 2 * (2 * per_layer + 256 * 64)
+
+
+def test_untied_embedding_counts_in_the_footprint_not_in_the_reads():
+    cfg = MODELS["llama-68m"]
+    assert parameter_count(cfg) == 68_030_208
+    assert weight_bytes(cfg, 2) == (parameter_count(cfg) - 32_000 * 768) * 2
+
+
+def test_smollm2_numbers():
+    cfg = MODELS["smollm2-135m"]
+    assert parameter_count(cfg) == 134_515_008
+    assert kv_bytes(cfg, 1, 2) == 23_040  # 2 * 30 layers * 3 KV heads * 64 * 2 bytes
+    assert kv_bytes(cfg, 8192, 2) == 188_743_680
+    assert crossover_context(cfg, 2) == math.ceil(269_030_016 / 23_040) == 11_677
+
+
+def test_llama2_7b_128k_numbers():
+    cfg = MODELS["llama2-7b-128k"]
+    assert parameter_count(cfg) == 6_738_415_616
+    assert kv_bytes(cfg, 131072, 2) == 64 * 2**30
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 32.0
+
+
+def test_crossover_is_the_first_context_where_kv_reaches_weights():
+    for cfg in MODELS.values():
+        c = crossover_context(cfg)
+        table = bytes_per_token_table(cfg, [c - 1, c])
+        assert table.kv_bytes[0] < table.weights_bytes[0] <= table.kv_bytes[1]
+
+
+def test_crossover_falls_as_kv_heads_grow_and_share_rises_with_context():
+    cfg = MODELS["smollm2-135m"]
+    crossovers = [crossover_context(cfg.replace(num_kv_heads=kv)) for kv in (1, 3, 9)]
+    assert crossovers == sorted(crossovers, reverse=True)
+    table = bytes_per_token_table(cfg, [0, 1024, 8192, 65536])
+    assert list(table.columns) == ["context", "weights_bytes", "kv_bytes", "total", "kv_share"]
+    assert table.kv_share.is_monotonic_increasing and table.kv_share[0] == 0.0
+    assert (table.total == table.weights_bytes + table.kv_bytes).all()
+
+
+def test_flops_table_shows_decoding_is_memory_bound():
+    cfg = MODELS["llama2-7b-128k"]
+    table = flops_per_token_table(cfg, [0, 4096, 131072])
+    assert table.attention_flops[0] == 0 and table.attention_share.is_monotonic_increasing
+    assert (table.total == table.weight_flops + table.attention_flops).all()
+    assert (table.flops_per_byte < 2).all()  # about one FLOP per byte at fp16, far below any GPU's ratio
+
+
+def test_latency_table_is_bytes_over_bandwidth():
+    cfg = MODELS["llama2-7b-128k"]
+    frame = latency_table(cfg, [HARDWARE["a100-80gb"], this_machine(20.0)], [4096, 131072])
+    a100 = frame[frame.hardware == "A100-80GB"]
+    assert (a100.bound == "memory").all()
+    assert a100.ideal_ms.iloc[0] == pytest.approx(a100.bytes.iloc[0] / 2039e6)
+    assert a100.fits.tolist() == [True, False]  # 82 GB does not fit 80 GB
+    host = frame[frame.hardware == "this machine"]
+    assert host.compute_ms.isna().all() and host.fits.isna().all()
+    assert ideal_latency_ms(2039e6, HARDWARE["a100-80gb"]) == pytest.approx(1.0)
+
+
+def test_fig1_table_is_close_to_the_paper():
+    frame = fig1_table().set_index("setting")
+    full = frame.loc["target, full cache"]
+    assert full.kv_gb * 1e9 == 64 * 2**30
+    assert full.kv_gb * 1e9 / 2**30 + full.weights_gb == pytest.approx(78, abs=0.6)  # the paper's mixed units
+    assert frame.loc["target, 4K retrieval cache"].total_gb == pytest.approx(16, rel=0.05)
+    assert frame.loc["draft, StreamingLLM cache"].total_gb == pytest.approx(0.15, rel=0.1)
+    assert (frame.ideal_ms < frame.paper_ms).all()  # ideal bounds are lower bounds
+    assert frame.explanation.str.len().min() > 40
+
+
+def test_hardware_validates():
+    with pytest.raises(SparsedraftError, match="bandwidth_gb_s"):
+        Hardware("broken", 0.0)
+    with pytest.raises(SparsedraftError, match="context"):
+        bytes_per_token_table(MODELS["llama-68m"], [-1])
+    with pytest.raises(SparsedraftError, match="dtype_bytes"):
+        crossover_context(MODELS["llama-68m"], dtype_bytes=0)
+
+
+@pytest.mark.slow
+def test_smollm2_profile_matches_the_loaded_model(smollm2):
+    model, _ = smollm2
+    cfg = MODELS["smollm2-135m"]
+    loaded = model.cfg
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(cfg, name) == getattr(loaded, name), name
+    assert parameter_count(loaded) == sum(p.numel() for p in model.parameters())

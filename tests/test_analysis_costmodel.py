@@ -1,0 +1,120 @@
+"""The cost model reproduces the seed's walkthroughs and its expectation matches simulation."""
+
+import random
+
+import pytest
+
+from sparsedraft.analysis.costmodel import (SEED_COSTS, HierarchySetup, LevelCosts, alpha_from_tokens_per_verify,
+                                            build_schedule, expected_tokens_per_verify, predict_ms_per_token,
+                                            predict_two_level, seed_collapse_schedule, seed_normal_schedule,
+                                            speedup_vs_context)
+from sparsedraft.analysis.profiles import HARDWARE, MODELS
+from sparsedraft.errors import SparsedraftError
+
+
+def test_seed_normal_walkthrough_is_100_7_ms_for_8_tokens():
+    s = seed_normal_schedule()
+    assert s.total_ms == pytest.approx(100.7, abs=1e-9)
+    assert s.tokens == 8
+    assert round(s.ms_per_token, 1) == 12.6
+    assert round(s.speedup, 1) == 4.4
+    table = s.table()
+    assert table.level.value_counts().to_dict() == {1: 6, 2: 3, 3: 1}
+    assert table.clock_ms.iloc[-1] == pytest.approx(100.7)
+    assert table.held.max() == 7  # level 2 overshoots gamma2 = 6 by one
+
+
+def test_seed_collapse_walkthrough_is_about_50_ms_per_token():
+    s = seed_collapse_schedule()
+    assert round(s.total_ms) == 145
+    assert s.tokens == 3
+    assert round(s.ms_per_token, -1) == 50  # 48.5 ms/token before the rebuild
+    with_rebuild = seed_collapse_schedule(rebuild_ms=10.0)
+    assert with_rebuild.ms_per_token > 50
+    assert with_rebuild.table().action.iloc[-1] == "rebuild"
+    assert s.speedup < 1.2  # no better than vanilla in practice
+
+
+def test_all_accepted_iteration_needs_only_two_rounds():
+    s = build_schedule(SEED_COSTS, 2, 6, level2_accepted=(2, 2), level3_accepted=6)
+    assert s.total_ms == pytest.approx(85.8)
+    assert s.tokens == 7
+
+
+@pytest.mark.parametrize("level2, level3, fragment", [
+    ((2,), 3, "add rounds"),
+    ((2, 2, 2), 6, "drop the extra"),
+    ((3, 2), 6, "must lie in [0, gamma1=2]"),
+    ((2, 2), 7, "level3_accepted=7"),
+])
+def test_build_schedule_rejects_inconsistent_outcomes(level2, level3, fragment):
+    with pytest.raises(SparsedraftError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        build_schedule(SEED_COSTS, 2, 6, level2, level3)
+
+
+def test_level_costs_validate():
+    with pytest.raises(SparsedraftError, match="draft_ms"):
+        LevelCosts(0.0, 14.0, 56.0)
+
+
+def test_expected_tokens_per_verify_formula_and_inverse():
+    assert expected_tokens_per_verify(0.0, 5) == 1.0
+    assert expected_tokens_per_verify(1.0, 5) == 6.0
+    assert expected_tokens_per_verify(0.5, 2) == pytest.approx(1.75)
+    assert alpha_from_tokens_per_verify(expected_tokens_per_verify(0.73, 6), 6) == pytest.approx(0.73, abs=1e-9)
+
+
+def test_two_level_prediction():
+    p = predict_two_level(draft_ms=1.0, target_ms=10.0, gamma=4, alpha=0.8)
+    assert p.ms_per_token == pytest.approx(14.0 / ((1 - 0.8 ** 5) / 0.2))
+    assert p.speedup == pytest.approx(10.0 / p.ms_per_token)
+
+
+def test_three_level_prediction_with_perfect_acceptance_matches_schedule():
+    p = predict_ms_per_token(SEED_COSTS, 2, 6, alpha1=1.0, alpha2=1.0)
+    s = build_schedule(SEED_COSTS, 2, 6, (2, 2), 6)
+    assert p.ms_per_iteration == pytest.approx(s.total_ms)
+    assert p.tokens_per_iteration == pytest.approx(s.tokens)
+
+
+def _simulate(alpha1, alpha2, gamma1, gamma2, iterations, rng):
+    ms = tokens = 0.0
+    for _ in range(iterations):
+        rounds, held = [], 0
+        while held < gamma2:
+            k = 0
+            while k < gamma1 and rng.random() < alpha1:
+                k += 1
+            rounds.append(k)
+            held += k + 1
+        a = 0
+        while a < held and rng.random() < alpha2:
+            a += 1
+        s = build_schedule(SEED_COSTS, gamma1, gamma2, rounds, a)
+        ms, tokens = ms + s.total_ms, tokens + s.tokens
+    return ms / tokens
+
+
+@pytest.mark.parametrize("alpha1, alpha2, gamma1, gamma2", [(0.7, 0.9, 2, 6), (0.4, 0.6, 3, 5)])
+def test_three_level_expectation_matches_simulated_schedules(alpha1, alpha2, gamma1, gamma2):
+    predicted = predict_ms_per_token(SEED_COSTS, gamma1, gamma2, alpha1, alpha2).ms_per_token
+    simulated = _simulate(alpha1, alpha2, gamma1, gamma2, 3000, random.Random(0))
+    assert simulated == pytest.approx(predicted, rel=0.03)
+
+
+def test_speedup_vs_context_rises_with_context():
+    setup = HierarchySetup(alpha1=0.8, alpha2=0.9, alpha_tiny=0.5)
+    frame = speedup_vs_context(MODELS["llama2-7b-128k"], MODELS["llama-68m"], HARDWARE["a100-80gb"],
+                               [2048, 16384, 131072], setup)
+    assert set(frame.method) == {"triforce", "retrieval self-spec", "tiny draft"}
+    tri = frame[frame.method == "triforce"].sort_values("context")
+    assert tri.speedup.is_monotonic_increasing
+    short = frame[frame.context == 2048].iloc[0]
+    assert short.retrieval_ms == short.target_ms  # the whole context fits the retrieval budget
+    long = frame[frame.context == 131072].set_index("method").speedup
+    assert long["triforce"] > long["retrieval self-spec"] > 1
+
+
+def test_hierarchy_setup_validates():
+    with pytest.raises(SparsedraftError, match="alpha2"):
+        HierarchySetup(alpha1=0.5, alpha2=1.5, alpha_tiny=0.5)
