@@ -1,0 +1,77 @@
+"""Command line: ``python -m sparsedraft <command> ...`` (also installed as ``sparsedraft``).
+
+Commands live in :data:`COMMANDS` (name -> how to add its parser, how to run
+it). ``bench <method>`` takes its options from the method's config dataclass
+(see :data:`sparsedraft.bench.BENCHES`): each field becomes ``--field-name``,
+booleans get ``--name/--no-name``, and the dataclass validates the values.
+A benchmark prints its human table, then one JSON object as the last line of
+stdout; progress bars go to stderr. A :class:`SparsedraftError` prints as one
+``error:`` line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from typing import Any, Callable
+
+from .bench import BENCHES
+from .errors import SparsedraftError
+
+
+def add_config_options(parser: argparse.ArgumentParser, config: type) -> None:
+    """One ``--option`` per dataclass field, typed and defaulted from the field."""
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                                choices=f.metadata.get("choices"), help=help_text)
+
+
+def config_from_args(config: type, args: argparse.Namespace) -> Any:
+    return config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config)})
+
+
+def add_bench_parser(parser: argparse.ArgumentParser) -> None:
+    methods = parser.add_subparsers(dest="method", required=True, metavar="method")
+    for name, bench in BENCHES.items():
+        add_config_options(methods.add_parser(name, help=bench.help, description=bench.help), bench.config)
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    bench = BENCHES[args.method]
+    result = bench.run(config_from_args(bench.config, args), True)
+    print(result.table())
+    print(json.dumps(result.to_dict()))
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
+    "bench": ("time decoding methods; prints a table, then one JSON line", add_bench_parser, run_bench),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparsedraft", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, (help_text, add_parser, _) in COMMANDS.items():
+        add_parser(commands.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    try:
+        COMMANDS[args.command][2](args)
+    except SparsedraftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
