@@ -36,7 +36,7 @@ from .generate import GenerationResult, check_prompt, generate, prefill, synchro
 from .hardware import MIB, measure_copy_bandwidth
 from .model import Transformer
 from .tiny import tiny_hf_config
-from .weights import load_model, load_tokenizer, resolve
+from .weights import load_config, load_model, load_tokenizer, resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GB = 1e9
@@ -248,11 +248,12 @@ def run_ar_bench(cfg: ArBenchConfig, progress: bool = False) -> ArBenchResult:
     """Time our engine (and transformers unless ``cfg.hf`` is False) on one essay prompt."""
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
-    model = load_model(cfg.model, dtype, device)
+    limit = load_config(cfg.model).max_position_embeddings
     total = cfg.context + max(cfg.new_tokens, cfg.verify_tokens)
-    require(total <= model.cfg.max_position_embeddings,
+    require(total <= limit,
             f"context {cfg.context} + {max(cfg.new_tokens, cfg.verify_tokens)} new tokens = {total} exceeds the "
-            f"maximum context of {cfg.model} ({model.cfg.max_position_embeddings}); lower --context or --new-tokens")
+            f"maximum context of {cfg.model} ({limit}); lower --context or --new-tokens")
+    model = load_model(cfg.model, dtype, device)
     prompt = bench_prompt(cfg.model, cfg.context, cfg.split, cfg.variant).to(device)
     check_prompt(model, prompt, cfg.new_tokens)
 

@@ -83,6 +83,18 @@ def _hub_snapshot(repo_id: str) -> Path:
             "download it to a local folder and pass that folder instead") from exc
 
 
+def load_config(spec: str | os.PathLike) -> ModelConfig:
+    """The model's config without its weights (for checks that must precede a load)."""
+    where = resolve(spec)
+    if isinstance(where, str):
+        return ModelConfig.from_hf(TINY_CONFIGS[where[5:]])
+    if where.is_file() and where.suffix == ".gguf":
+        return gguf_config(_open_gguf(where))
+    config_file = where / "config.json"
+    require(config_file.is_file(), f"{where} has no config.json; pass a Hugging Face model folder or a .gguf file")
+    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+
+
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> Transformer:
     """Load a model for inference (eval mode) on ``device`` in ``dtype``."""
@@ -133,9 +145,7 @@ def _assemble(cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]],
 # ---------------------------------------------------------------- Hugging Face folders
 
 def _hf_folder(folder: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    config_file = folder / "config.json"
-    require(config_file.is_file(), f"{folder} has no config.json; pass a Hugging Face model folder")
-    cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    cfg = load_config(folder)
     shards = sorted(folder.glob("*.safetensors"))
     bins = sorted(folder.glob("pytorch_model*.bin"))
     require(bool(shards or bins), f"{folder} has no *.safetensors or pytorch_model*.bin weights")
