@@ -1,0 +1,93 @@
+"""Run folders: drafter weights and optimizer state as safetensors, everything else as JSON.
+
+Layout of ``run_dir``:
+
+- ``drafter.safetensors``: the whole drafter (a tied head is stored once, as
+  the embedding), loadable for inference by :func:`load_drafter`;
+- ``optimizer.safetensors``: AdamW moments and step counts, keyed
+  ``<param index>.<name>``;
+- ``state.json``: step, training config, drafter model config, optimizer
+  hyper-parameters and the metric history. Written last, through a rename, so
+  a folder with a ``state.json`` always holds a complete checkpoint.
+
+Nothing is pickled. Data order, budgets and loss positions are drawn from a
+generator seeded by (seed, step), so weights + optimizer + step are the whole
+training state and a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import ModelConfig
+from ..errors import require
+from ..model import Transformer
+from ..weights import from_state_dict
+from .config import TrainConfig
+
+STATE = "state.json"
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    config: TrainConfig
+    model_config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]  # a torch optimizer state_dict
+    history: list[dict[str, Any]]
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    tmp.replace(path)
+
+
+def save_checkpoint(run_dir: Path, cfg: TrainConfig, drafter: Transformer, optimizer: torch.optim.Optimizer,
+                    step: int, history: list[dict[str, Any]]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    weights = drafter.state_dict()
+    if drafter.cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    _atomic_save(weights, run_dir / "drafter.safetensors")
+    opt = optimizer.state_dict()
+    moments = {f"{index}.{name}": value for index, state in opt["state"].items()
+               for name, value in state.items() if torch.is_tensor(value)}
+    _atomic_save(moments, run_dir / "optimizer.safetensors")
+    state = {"step": step, "config": cfg.to_dict(), "model_config": asdict(drafter.cfg),
+             "param_groups": opt["param_groups"], "history": history}
+    tmp = run_dir / (STATE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1, default=list))
+    tmp.replace(run_dir / STATE)
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return (run_dir / STATE).is_file()
+
+
+def load_checkpoint(run_dir: Path) -> Checkpoint:
+    require(has_checkpoint(run_dir), f"{run_dir} holds no checkpoint ({STATE} missing); train a drafter first")
+    state = json.loads((run_dir / STATE).read_text())
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(str(run_dir / "optimizer.safetensors")).items():
+        index, name = key.split(".", 1)
+        moments.setdefault(int(index), {})[name] = value
+    return Checkpoint(step=state["step"], config=TrainConfig.from_dict(state["config"]),
+                      model_config=ModelConfig(**state["model_config"]),
+                      weights=load_file(str(run_dir / "drafter.safetensors")),
+                      optimizer={"state": moments, "param_groups": state["param_groups"]},
+                      history=state["history"])
+
+
+def load_drafter(run_dir: str | Path, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> Transformer:
+    """A trained drafter for inference (eval mode), from a run folder."""
+    ckpt = load_checkpoint(Path(run_dir))
+    return from_state_dict(ckpt.model_config, ckpt.weights, dtype=dtype, device=device)

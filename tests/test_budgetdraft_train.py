@@ -1,0 +1,70 @@
+"""The training loop on a tiny verifier over byte-tokenised essays: resume, determinism, CLI, --no-teacher."""
+
+import json
+
+import pytest
+import torch
+
+from sparsedraft.budgetdraft.cli import main
+from sparsedraft.budgetdraft.checkpoint import load_drafter
+from sparsedraft.budgetdraft.config import TrainConfig
+from sparsedraft.budgetdraft.train import train_drafter
+from sparsedraft.errors import SparsedraftError
+from sparsedraft.tiny import tiny_model
+
+
+class Stop(Exception):
+    pass
+
+
+def config(tmp_path, name, **changes):
+    base = dict(verifier="tiny-llama", layers=1, seq_len=64, sequences=4, eval_sequences=1, budgets=(16, 32),
+                chunk_size=8, obs_window=16, steps=4, warmup=1, checkpoint_every=2, eval_every=2, final_context=0,
+                teacher_dir=str(tmp_path / "teacher"), out_dir=str(tmp_path / name))
+    return TrainConfig(**{**base, **changes})
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    verifier = tiny_model("llama")
+    straight = train_drafter(config(tmp_path, "a"), verifier, progress=False)
+
+    def crash(entry):
+        if entry["step"] == 3:  # after the step-2 checkpoint and one more step that is lost
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_drafter(config(tmp_path, "b"), verifier, progress=False, callback=crash)
+    resumed = train_drafter(config(tmp_path, "b"), verifier, progress=False)
+    assert resumed.step == straight.step == 4
+    for (name, a), (_, b) in zip(straight.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert [h.get("loss_a") for h in resumed.history] == [h.get("loss_a") for h in straight.history]
+    assert [h["step"] for h in straight.history if "eval" in h] == [0, 2]  # the init, then every eval_every
+    assert set(straight.final["agreement"]) == {"full", "16", "32"}
+    reloaded = load_drafter(tmp_path / "a")
+    trained = straight.drafter.state_dict()
+    assert all(torch.equal(a, trained[name]) for name, a in reloaded.state_dict().items())
+
+
+def test_resume_refuses_another_run_and_no_teacher_needs_a_cache(tmp_path):
+    verifier = tiny_model("llama")
+    train_drafter(config(tmp_path, "a", steps=2), verifier, progress=False)
+    with pytest.raises(SparsedraftError, match="different run"):
+        train_drafter(config(tmp_path, "a", lam=0.0), verifier, progress=False)
+    with pytest.raises(SparsedraftError, match="not cached"):
+        train_drafter(config(tmp_path, "c", teacher=False, teacher_dir=str(tmp_path / "empty")), verifier,
+                      progress=False)
+
+
+def test_training_lowers_the_loss_and_the_cli_reports_json(tmp_path, capsys):
+    verifier = tiny_model("llama")
+    result = train_drafter(config(tmp_path, "long", steps=30, lr=3e-3, eval_every=0, checkpoint_every=30,
+                                  final_context=200, final_tokens=16), verifier, progress=False)
+    losses = [h["loss_a"] for h in result.history if "loss_a" in h]
+    assert sum(losses[-5:]) < sum(losses[:5])
+    assert {row["budget"] for row in result.final["acceptance"]} == {16, 32, "full"}
+    main(["--verifier", "tiny-llama", "--layers", "1", "--seq-len", "64", "--sequences", "2", "--eval-sequences",
+          "1", "--budgets", "16", "32", "--steps", "1", "--final-context", "0", "--lam", "0",
+          "--teacher-dir", str(tmp_path / "teacher"), "--out-dir", str(tmp_path / "cli")])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["step"] == 1 and last["config"]["lam"] == 0 and last["config"]["budgets"] == [16, 32]
