@@ -18,8 +18,18 @@ import sys
 import typing
 from typing import Any, Callable
 
-from .bench import BENCHES
+from .bench import BENCHES as AR_BENCHES
+from .bench import Bench
+from .bench_spec import DECODERS, SpecBenchConfig, run_spec_bench
+from .budgetdraft.cli import HELP as TRAIN_HELP
+from .budgetdraft.cli import add_train_parser, run_train_drafter
 from .errors import SparsedraftError
+
+# `bench spec|retrieval|triforce` share one config; the method name sets its decoder.
+BENCHES: dict[str, Bench] = {**AR_BENCHES, **{
+    name: Bench(SpecBenchConfig, run_spec_bench, f"{name} decoding vs AR in one process: speedup, "
+                                                 "per-level acceptance and time")
+    for name in DECODERS}}
 
 
 def add_config_options(parser: argparse.ArgumentParser, config: type) -> None:
@@ -44,7 +54,10 @@ def config_from_args(config: type, args: argparse.Namespace) -> Any:
 def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     methods = parser.add_subparsers(dest="method", required=True, metavar="method")
     for name, bench in BENCHES.items():
-        add_config_options(methods.add_parser(name, help=bench.help, description=bench.help), bench.config)
+        sub = methods.add_parser(name, help=bench.help, description=bench.help)
+        add_config_options(sub, bench.config)
+        if name in DECODERS:
+            sub.set_defaults(decoder=name)
 
 
 def run_bench(args: argparse.Namespace) -> None:
@@ -56,6 +69,7 @@ def run_bench(args: argparse.Namespace) -> None:
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
     "bench": ("time decoding methods; prints a table, then one JSON line", add_bench_parser, run_bench),
+    "train-drafter": (TRAIN_HELP, add_train_parser, run_train_drafter),
 }
 
 

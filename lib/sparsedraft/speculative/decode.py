@@ -1,0 +1,191 @@
+"""Speculative decoding drivers: a drafter proposes, the full-cache target verifies.
+
+:func:`speculative` is the whole loop; the hierarchy lives in the drafter:
+TriForce (:func:`triforce`) is :func:`speculative` over a
+:class:`~.drafters.SpeculativeDrafter` (target + retrieval cache) whose own
+drafter is a small model with a streaming cache; "retrieval without
+hierarchy" (:func:`retrieval`) is :func:`speculative` over the target with a
+retrieval cache. The plain autoregressive baseline is
+:func:`sparsedraft.generate.generate`.
+
+The target prefills the prompt once, then forgets the last prompt token
+(``rollback(1)``): every round feeds ``[pending, drafts...]``, so the first
+generated token is verified like every other and the prefill's last query
+(the last prompt token's, captured on the last chunk) builds the retrieval
+cache. Batch size is 1: acceptance lengths differ per sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..caches import MovingAverage, RebuildPolicy, RetrievalCache, StreamingCache, rebuild_policy
+from ..errors import require
+from ..generate import check_prompt, synchronize
+from ..model import Capture, Transformer
+from ..sampling import SamplingConfig, probabilities
+from .drafters import DraftContext, Drafter, ModelDrafter, SpeculativeDrafter, TargetState
+from .stats import LevelStats, SpecStats, Stopwatch
+from .verify import AcceptanceRule, standard_acceptance, verify
+
+
+@dataclass
+class SpecResult:
+    tokens: torch.Tensor  # [1, N] generated ids (prompt excluded), on the CPU
+    stats: SpecStats
+
+
+def check_run(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int, gamma: int) -> None:
+    """Every check that can fail before the prefill."""
+    require(gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {gamma}")
+    check_prompt(target, prompt, max_new_tokens)
+    require(prompt.shape[0] == 1, f"speculative decoding runs one sequence (batch 1), got batch {prompt.shape[0]}; "
+                                  "loop over the prompts")
+    require(drafter.vocab_size == target.cfg.vocab_size,
+            f"the drafter's vocabulary has {drafter.vocab_size} tokens but the target's has "
+            f"{target.cfg.vocab_size}; the draft must use the target's tokenizer")
+    drafter.check(prompt.shape[1] + max_new_tokens)
+
+
+@torch.inference_mode()
+def prefill_target(target: Transformer, prompt: torch.Tensor, max_new_tokens: int, capture: bool,
+                   chunk: int = 1024) -> TargetState:
+    """Full cache holding ``prompt`` [1, T] minus its last token, plus that token's queries if ``capture``."""
+    cache = target.new_cache(prompt.shape[1] + max_new_tokens)
+    last = Capture(layers=set(range(target.cfg.num_layers))) if capture else None
+    starts = range(0, prompt.shape[1], chunk)
+    for start in starts:
+        target(prompt[:, start:start + chunk], cache=cache, last_only=True,
+               capture=last if start == starts[-1] else None)
+    cache.rollback(1)
+    queries = {layer: q[:, :, -1] for layer, q in last.queries.items()} if last else {}
+    return TargetState(cache, queries)
+
+
+@torch.inference_mode()
+def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
+                gamma: int = 4, sampling: SamplingConfig = SamplingConfig(), *,
+                rebuild: RebuildPolicy | str = "never", acceptance: AcceptanceRule = standard_acceptance,
+                eos_token_id: int | None = None) -> SpecResult:
+    """Generate ``max_new_tokens`` with ``drafter`` proposing ``gamma`` tokens per target forward.
+
+    The output has exactly the law of :func:`~sparsedraft.generate.generate`
+    with the same ``sampling`` (token for token when greedy). ``rebuild``
+    decides when a drafter whose cache follows the target is rebuilt from the
+    newest token's queries; ``acceptance`` exists to test that a wrong rule
+    is caught.
+    """
+    policy = rebuild_policy(rebuild) if isinstance(rebuild, str) else rebuild
+    check_run(target, drafter, prompt, max_new_tokens, gamma)
+    prompt = prompt.to(target.device)
+    generator = sampling.generator(target.device)
+    watch = Stopwatch(target.device)
+    synchronize(target.device)
+    t0 = time.perf_counter()
+    state = prefill_target(target, prompt, max_new_tokens, capture=drafter.follows_target)
+    drafter.start(prompt[0], state, DraftContext(sampling, generator, watch))
+    synchronize(target.device)
+    t1 = time.perf_counter()
+
+    full, level = state.cache, LevelStats("target")
+    capture = Capture(layers=set(range(target.cfg.num_layers))) if drafter.follows_target else None
+    recent, since_build, rebuilds = MovingAverage(policy.acceptance_window), 0, 0
+    out: list[int] = []
+    pending = prompt[:, -1:]
+    while len(out) < max_new_tokens:
+        with watch("draft"):
+            proposal = drafter.propose(min(gamma, max_new_tokens - len(out) - 1))  # never overshoot
+        g = proposal.tokens.numel()
+        with watch("verify"):
+            positions = torch.arange(full.length, full.length + g + 1, device=target.device)
+            logits = target(torch.cat((pending, proposal.tokens[None]), 1), positions, full, capture=capture)
+            verdict = verify(proposal.tokens, proposal.q, probabilities(logits[0], sampling),
+                             sampling.greedy, generator, acceptance)
+            full.rollback(g - verdict.accepted)
+        level.record(g, verdict.accepted)
+        new = proposal.tokens[:verdict.accepted].tolist() + [verdict.token]
+        out += new
+        pending = torch.tensor([[verdict.token]], device=target.device)
+        if capture is not None:
+            state.queries = {layer: q[:, :, verdict.accepted] for layer, q in capture.queries.items()}
+        with watch("sync"):
+            drafter.commit(verdict.accepted, verdict.token, state)
+        since_build += len(new)
+        if g:
+            recent.add(verdict.accepted / g)
+        if policy.should_rebuild(since_build, recent.value):
+            with watch("rebuild"):
+                if drafter.rebuild(state):
+                    rebuilds, since_build = rebuilds + 1, 0
+                    recent.reset()
+        if eos_token_id is not None and eos_token_id in new:
+            out = out[:len(out) - len(new) + new.index(eos_token_id) + 1]
+            break
+    synchronize(target.device)
+    t2 = time.perf_counter()
+    stats = SpecStats(drafter.levels() + [level], len(out), level.verifications, rebuilds,
+                      t1 - t0, t2 - t1, dict(watch.seconds))
+    return SpecResult(torch.tensor([out], dtype=torch.long), stats)
+
+
+def retrieval_drafter(target: Transformer, gamma: int, budget: int, chunk_size: int,
+                      group_reduce: str = "sum") -> ModelDrafter:
+    """The target drafting for itself over a retrieval cache (at most ``gamma`` level-2 tokens between syncs)."""
+    cache = RetrievalCache(target.cfg, budget, chunk_size, spec_slots=gamma, dtype=target.dtype,
+                           device=target.device, group_reduce=group_reduce)
+    return ModelDrafter(target, cache)
+
+
+def retrieval(target: Transformer, prompt: torch.Tensor, max_new_tokens: int,
+              sampling: SamplingConfig = SamplingConfig(), *, gamma: int = 6, budget: int = 4096,
+              chunk_size: int = 8, rebuild: RebuildPolicy | str = "never", group_reduce: str = "sum",
+              acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None) -> SpecResult:
+    """Retrieval without hierarchy: target + retrieval cache drafts ``gamma`` tokens for the full target."""
+    _check_budget(prompt, budget)
+    drafter = retrieval_drafter(target, gamma, budget, chunk_size, group_reduce)
+    return speculative(target, drafter, prompt, max_new_tokens, gamma, sampling, rebuild=rebuild,
+                       acceptance=acceptance, eos_token_id=eos_token_id)
+
+
+def triforce_drafter(target: Transformer, draft_model: Transformer, gamma1: int, gamma2: int, budget: int,
+                     chunk_size: int, sink: int, window: int, group_reduce: str = "sum",
+                     draft_positions: str = "cache",
+                     acceptance: AcceptanceRule = standard_acceptance) -> SpeculativeDrafter:
+    """Levels 1 and 2 of TriForce as one drafter for the full-cache target.
+
+    Level 1 may roll back up to ``gamma1 + gamma2`` tokens (a level-3 rejection
+    undoes a whole level-2 proposal plus the round in flight); level 2 holds
+    at most ``gamma2`` speculative tokens between syncs.
+    """
+    require(gamma1 >= 1 and gamma2 >= 1, f"gamma1 and gamma2 must be >= 1, got gamma1={gamma1}, gamma2={gamma2}")
+    streaming = StreamingCache(draft_model.cfg, sink, window, spec_slots=gamma1 + gamma2, dtype=draft_model.dtype,
+                               device=draft_model.device, rotary=draft_model.rotary, positions=draft_positions)
+    level2 = RetrievalCache(target.cfg, budget, chunk_size, spec_slots=gamma2, dtype=target.dtype,
+                            device=target.device, group_reduce=group_reduce)
+    return SpeculativeDrafter(target, level2, ModelDrafter(draft_model, streaming), gamma1, acceptance, "level2")
+
+
+def triforce(target: Transformer, draft_model: Transformer, prompt: torch.Tensor, max_new_tokens: int,
+             sampling: SamplingConfig = SamplingConfig(), *, gamma1: int = 2, gamma2: int = 6,
+             budget: int = 4096, chunk_size: int = 8, sink: int = 16, window: int = 240,
+             rebuild: RebuildPolicy | str = "never", group_reduce: str = "sum", draft_positions: str = "cache",
+             acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None) -> SpecResult:
+    """Three levels: draft + streaming cache (gamma1) -> target + retrieval cache (gamma2) -> full target.
+
+    Defaults follow the paper (gamma1 = 2, gamma2 = 6, budget 4096 in chunks of
+    8, a 16 + 240 streaming cache of 256 slots).
+    """
+    _check_budget(prompt, budget)
+    drafter = triforce_drafter(target, draft_model, gamma1, gamma2, budget, chunk_size, sink, window,
+                               group_reduce, draft_positions, acceptance)
+    return speculative(target, drafter, prompt, max_new_tokens, gamma2, sampling, rebuild=rebuild,
+                       acceptance=acceptance, eos_token_id=eos_token_id)
+
+
+def _check_budget(prompt: torch.Tensor, budget: int) -> None:
+    context = prompt.shape[-1] - 1  # the full cache holds the prompt minus its pending last token
+    require(budget < context, f"retrieval budget ({budget}) must be smaller than the cached context ({context} "
+                              f"tokens: the prompt minus its last); use a longer prompt or budget < {context}")

@@ -1,0 +1,107 @@
+"""What a speculative run reports: acceptance per level, forwards, and where the time went.
+
+Counters live in :class:`LevelStats` (one per verification level) and are
+filled by the drivers and by :class:`~.drafters.SpeculativeDrafter`. Time is
+measured only by a :class:`Stopwatch` the driver owns and lends to nested
+drafters, so verification and drafting functions stay free of clocks; every
+timed region synchronises the device, otherwise asynchronous CUDA work would
+be billed to whichever region happens to wait for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ..generate import synchronize
+
+
+@dataclass
+class LevelStats:
+    """One verifier level: how many draft tokens it saw and kept.
+
+    ``histogram[n]`` counts verifications that kept exactly n draft tokens, so
+    its length is the largest draft length + 1.
+    """
+
+    name: str
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0  # forwards of this level's verifier
+    histogram: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verifications += 1
+        if len(self.histogram) <= drafted:
+            self.histogram.extend([0] * (drafted + 1 - len(self.histogram)))
+        self.histogram[accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens kept (nan before any draft)."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens kept per verification (each verification also emits one token of its own)."""
+        return self.accepted / self.verifications if self.verifications else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "drafted": self.drafted, "accepted": self.accepted,
+                "verifications": self.verifications, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted": self.mean_accepted, "histogram": list(self.histogram)}
+
+
+class Stopwatch:
+    """Accumulates seconds per named region; regions may nest (times are inclusive)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, region: str) -> Iterator[None]:
+        synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            self.seconds[region] += time.perf_counter() - start
+
+
+@dataclass
+class SpecStats:
+    """Everything a speculative run measured. ``levels`` are ordered draft-most first:
+    the last entry is the full-cache target verifying the outermost drafter."""
+
+    levels: list[LevelStats]
+    generated: int  # tokens emitted
+    target_forwards: int  # full-cache target forwards after prefill (one per outer verification)
+    rebuilds: int  # drafter cache rebuilds triggered by the rebuild policy
+    prefill_s: float
+    decode_s: float
+    seconds: dict[str, float]  # inclusive time per region: draft, verify, sync, rebuild, level<k>_...
+
+    @property
+    def tokens_per_iteration(self) -> float:
+        """Tokens emitted per full-cache target forward."""
+        return self.generated / self.target_forwards if self.target_forwards else float("nan")
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1000 * self.decode_s / max(self.generated, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"generated": self.generated, "target_forwards": self.target_forwards,
+                "tokens_per_iteration": self.tokens_per_iteration, "rebuilds": self.rebuilds,
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "decode_ms_per_token": self.decode_ms_per_token, "seconds": dict(self.seconds),
+                "levels": [lvl.to_dict() for lvl in self.levels]}
