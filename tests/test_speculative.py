@@ -18,8 +18,8 @@ from sparsedraft.caches import StreamingCache
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.generate import generate
 from sparsedraft.sampling import SamplingConfig
-from sparsedraft.speculative import (LevelStats, ModelDrafter, NgramDrafter, retrieval, speculative, triforce,
-                                     truncated_draft, verify_greedy, verify_sampled)
+from sparsedraft.speculative import (DraftContext, LevelStats, ModelDrafter, NgramDrafter, Stopwatch, retrieval,
+                                     speculative, triforce, truncated_draft, verify_greedy, verify_sampled)
 from sparsedraft.tiny import tiny_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -174,7 +174,7 @@ def test_sampled_verification_edge_cases():
     # q == p: always accepted, the bonus comes from the last row.
     verdict = verify_sampled(torch.tensor([1]), p[:1], p, gen)
     assert verdict.accepted == 1
-    # The acceptance rule is injectable: "never accept" falls back to the residual (here p itself... minus q).
+    # The acceptance rule is injectable: "never accept" always takes the residual max(0, p - q).
     verdict = verify_sampled(torch.tensor([0]), p[:1], p, gen, acceptance=lambda px, qx: torch.zeros_like(px))
     assert verdict.accepted == 0 and verdict.token in (0, 1)
 
@@ -196,7 +196,6 @@ def test_sampled_verification_first_token_law_exact():
 # ---- drafters and validation -----------------------------------------------------------------
 
 def test_ngram_drafter_proposes_continuation_of_latest_match():
-    from sparsedraft.speculative import DraftContext, Stopwatch
     drafter = NgramDrafter(10, max_ngram=2)
     drafter.start(torch.tensor([1, 2, 3, 9, 1, 2, 4, 5, 1, 2]), None, DraftContext(SamplingConfig(), None, Stopwatch()))
     proposal = drafter.propose(3)

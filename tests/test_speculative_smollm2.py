@@ -31,7 +31,7 @@ def decode(name: str, target, prompt: torch.Tensor):
     if name == "ngram":
         return speculative(target, NgramDrafter(target.cfg.vocab_size), prompt, NEW, gamma=4)
     if name == "truncated":
-        draft = truncated_draft(target, 10)
+        draft = truncated_draft(target, 4)
         return speculative(target, ModelDrafter(draft, draft.new_cache(context)), prompt, NEW, gamma=4)
     if name == "retrieval":
         return retrieval(target, prompt, NEW, gamma=6, budget=budget, chunk_size=8, rebuild="accept<0.6:4")

@@ -74,7 +74,8 @@ class SpecBenchConfig:
 
     def __post_init__(self) -> None:
         require(self.decoder in DECODERS, f"decoder must be one of {DECODERS}, got {self.decoder!r}")
-        require(self.draft_cache in DRAFT_CACHES, f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
+        require(self.draft_cache in DRAFT_CACHES,
+                f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         require(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         require(self.context >= 2, f"context must be >= 2 tokens, got {self.context}")
         require(self.new_tokens >= 2, f"new_tokens must be >= 2, got {self.new_tokens}")
