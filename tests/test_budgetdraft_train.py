@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from sparsedraft.budgetdraft.cli import main
+from sparsedraft.__main__ import main
 from sparsedraft.budgetdraft.checkpoint import load_drafter
 from sparsedraft.budgetdraft.config import TrainConfig
 from sparsedraft.budgetdraft.train import train_drafter
@@ -63,7 +63,8 @@ def test_training_lowers_the_loss_and_the_cli_reports_json(tmp_path, capsys):
     losses = [h["loss_a"] for h in result.history if "loss_a" in h]
     assert sum(losses[-5:]) < sum(losses[:5])
     assert {row["budget"] for row in result.final["acceptance"]} == {16, 32, "full"}
-    main(["--verifier", "tiny-llama", "--layers", "1", "--seq-len", "64", "--sequences", "2", "--eval-sequences",
+    main(["train-drafter", "--verifier", "tiny-llama", "--layers", "1", "--seq-len", "64", "--sequences", "2",
+          "--eval-sequences",
           "1", "--budgets", "16", "32", "--steps", "1", "--final-context", "0", "--lam", "0",
           "--teacher-dir", str(tmp_path / "teacher"), "--out-dir", str(tmp_path / "cli")])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import typing
 
-from ..errors import SparsedraftError
 from .config import TrainConfig
 from .train import train_drafter
 
@@ -59,18 +57,3 @@ def run_train_drafter(args: argparse.Namespace) -> None:
     print(json.dumps({"run_dir": str(result.run_dir), "step": result.step, "tokens_per_s": result.tokens_per_s,
                       "config": cfg.to_dict(), **result.final}))
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m sparsedraft.budgetdraft.cli``); errors print as one line, status 2."""
-    parser = argparse.ArgumentParser(prog="train-drafter", description=HELP)
-    add_train_parser(parser)
-    try:
-        run_train_drafter(parser.parse_args(argv))
-    except SparsedraftError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
