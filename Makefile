@@ -7,6 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROFILE ?= cpu
+# torch threads per notebook kernel (0 = torch's default; 1 helps on a shared machine)
+THREADS ?= 0
 
 .PHONY: install test test-fast reproduce bench clean
 
@@ -28,7 +30,7 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 reproduce: install
-	$(BIN)/python -m sparsedraft.run --profile $(PROFILE)
+	$(BIN)/python -m sparsedraft.run --profile $(PROFILE) $(if $(filter-out 0,$(THREADS)),--threads $(THREADS))
 
 bench: install
 	$(BIN)/python -m sparsedraft bench
