@@ -12,17 +12,16 @@ stdout; progress bars go to stderr. A :class:`SparsedraftError` prints as one
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import typing
-from typing import Any, Callable
+from typing import Callable
 
 from .bench import BENCHES as AR_BENCHES
 from .bench import Bench
 from .bench_spec import DECODERS, SpecBenchConfig, run_spec_bench
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
+from .cliopts import add_config_options, config_from_args
 from .errors import SparsedraftError
 
 # `bench spec|retrieval|triforce` share one config; the method name sets its decoder.
@@ -30,25 +29,6 @@ BENCHES: dict[str, Bench] = {**AR_BENCHES, **{
     name: Bench(SpecBenchConfig, run_spec_bench, f"{name} decoding vs AR in one process: speedup, "
                                                  "per-level acceptance and time")
     for name in DECODERS}}
-
-
-def add_config_options(parser: argparse.ArgumentParser, config: type) -> None:
-    """One ``--option`` per dataclass field, typed and defaulted from the field."""
-    hints = typing.get_type_hints(config)
-    for f in dataclasses.fields(config):
-        flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
-        if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=help_text)
-        else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
-                                choices=f.metadata.get("choices"), help=help_text)
-
-
-def config_from_args(config: type, args: argparse.Namespace) -> Any:
-    return config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config)})
 
 
 def add_bench_parser(parser: argparse.ArgumentParser) -> None:

@@ -11,10 +11,9 @@ then one JSON object as the last line of stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import typing
 
+from ..cliopts import add_config_options, config_from_args
 from .config import TrainConfig
 from .train import train_drafter
 
@@ -22,30 +21,11 @@ HELP = "train a BudgetDraft drafter (L_A + lambda * L_C) against a frozen verifi
 
 
 def add_train_parser(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
-        if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=help_text)
-        elif typing.get_origin(kind) is tuple:
-            parser.add_argument(flag, dest=f.name, type=typing.get_args(kind)[0], nargs="+", default=f.default,
-                                help=help_text)
-        else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                                help=help_text)
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    values["budgets"] = tuple(values["budgets"])
-    return TrainConfig(**values)
+    add_config_options(parser, TrainConfig)
 
 
 def run_train_drafter(args: argparse.Namespace) -> None:
-    cfg = config_from_args(args)
+    cfg = config_from_args(TrainConfig, args)
     result = train_drafter(cfg)
     agreement = result.final.get("agreement", {})
     print(f"run folder: {result.run_dir}  steps: {result.step}  training tokens/s: {result.tokens_per_s:.1f}")
