@@ -16,3 +16,13 @@ def smollm2():
         pytest.skip(str(exc))
     torch.manual_seed(0)
     return load_model("smollm2-135m"), load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: on tiny tensors (and on a busy 2-core machine) OpenMP hand-offs cost
+    more than the math. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,6 +22,8 @@ from sparsedraft.speculative import (DraftContext, LevelStats, ModelDrafter, Ngr
                                      speculative, triforce, truncated_draft, verify_greedy, verify_sampled)
 from sparsedraft.tiny import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 # Tied embeddings make the tiny random Llama repeat its input token forever; untie them for varied outputs.
 VARIED = {"llama": {"tie_word_embeddings": False}}
@@ -79,14 +81,6 @@ def run_decoder(name: str, target, far, near, prompt: torch.Tensor, sampling=Sam
 DECODERS = ["static-far", "static-near", "streaming-true", "streaming-cache", "ngram", "truncated", "retrieval",
             "retrieval-accept", "triforce-far", "triforce-near"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: with a second thread, OpenMP hand-offs cost more than the math (badly so on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

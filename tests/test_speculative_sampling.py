@@ -30,6 +30,8 @@ from sparsedraft.sampling import SamplingConfig, probabilities
 from sparsedraft.speculative import (AcceptanceRule, Drafter, ModelDrafter, NgramDrafter, SpeculativeDrafter,
                                      speculative, standard_acceptance)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 8
 SAMPLES = 20_000
 NEW_TOKENS = 3  # two drafts in the first round: both kept, then a bonus, is a path to the first two tokens
@@ -203,15 +205,6 @@ def pvalues(decoder: str, config: str, acceptance: AcceptanceRule) -> tuple[floa
     one, two = sample_prefixes(lambda: table_drafter(decoder, acceptance), TARGET, sampling, acceptance)
     return chi_square_pvalue(one, law_one, SAMPLES), chi_square_pvalue(two, law_two, SAMPLES)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tensors here have a few elements: with a second thread, OpenMP hand-offs cost more than the
-    math, and on a busy machine a parallel softmax of 3 x 8 values can take milliseconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # Each case is 20,000 decoder runs (10-25 s on a busy 2-core CPU). The default suite runs every

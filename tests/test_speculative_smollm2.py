@@ -18,7 +18,7 @@ from sparsedraft.data import prompt_tokens
 from sparsedraft.generate import generate
 from sparsedraft.speculative import ModelDrafter, NgramDrafter, retrieval, speculative, triforce, truncated_draft
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 NEW = 64
 DECODERS = ("ngram", "truncated", "retrieval", "triforce")
@@ -40,14 +40,6 @@ def decode(name: str, target, prompt: torch.Tensor):
                         chunk_size=8, sink=16, window=240, rebuild="every:32")
     raise AssertionError(name)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """On a shared 2-core machine, OpenMP threads waiting on each other made decoding 15x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_cases_cover_ten_prompts_of_64_tokens_at_1k_and_4k():
