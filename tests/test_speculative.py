@@ -71,6 +71,9 @@ def run_decoder(name: str, target, far, near, prompt: torch.Tensor, sampling=Sam
     if name == "retrieval-accept":
         return retrieval(target, prompt, NEW, sampling, gamma=GAMMA, budget=16, chunk_size=4,
                          rebuild="accept<0.9:2", group_reduce="max")
+    if name == "triforce-ngram":
+        return triforce(target, NgramDrafter(target.cfg.vocab_size), prompt, NEW, sampling, gamma1=3, gamma2=5,
+                        budget=16, chunk_size=4, rebuild="every:8")
     if name.startswith("triforce-"):
         draft = near if name == "triforce-near" else far
         return triforce(target, draft, prompt, NEW, sampling, gamma1=2, gamma2=5, budget=16, chunk_size=4,
@@ -79,7 +82,7 @@ def run_decoder(name: str, target, far, near, prompt: torch.Tensor, sampling=Sam
 
 
 DECODERS = ["static-far", "static-near", "streaming-true", "streaming-cache", "ngram", "truncated", "retrieval",
-            "retrieval-accept", "triforce-far", "triforce-near"]
+            "retrieval-accept", "triforce-far", "triforce-near", "triforce-ngram"]
 
 
 

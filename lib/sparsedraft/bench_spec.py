@@ -11,20 +11,27 @@ speculative prefill.
 
 Methods (``decoder``): ``spec`` (a draft proposes for the full target; the
 draft is ``truncated:K`` -- the target's first K layers --, ``ngram`` -- prompt
-lookup --, or any model spec :func:`~sparsedraft.weights.load_model` accepts),
-``retrieval`` (the target over a retrieval cache drafts for itself) and
-``triforce`` (draft + streaming cache -> target + retrieval cache -> target).
+lookup --, a BudgetDraft run folder, or any model spec
+:func:`~sparsedraft.weights.load_model` accepts; with ``--draft-cache budget``
+it drafts over BudgetDraft's cache), ``retrieval`` (the target over a retrieval
+cache drafts for itself) and ``triforce`` (draft + streaming cache, or prompt
+lookup -> target + retrieval cache -> target). ``--quant int8`` quantises the
+target's linear layers once, so the baseline and every truncated draft get the
+same lever.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .bench import DTYPES, bench_prompt, format_table, resolve_device, time_runs
+from .budgetdraft.checkpoint import has_checkpoint, load_drafter
+from .budgetdraft.drafter import BudgetDrafter
 from .caches import StreamingCache, rebuild_policy
 from .caches.streaming import POSITION_MODES
 from .caches.retrieval import GROUP_REDUCTIONS
@@ -32,30 +39,38 @@ from .data import SPLITS
 from .errors import require
 from .generate import GenerationResult, generate
 from .model import Transformer
+from .quant import quantize_int8
 from .sampling import SamplingConfig
 from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retrieval, speculative, triforce,
                           truncated_draft)
 from .weights import load_model
 
 DECODERS = ("spec", "retrieval", "triforce")
-DRAFT_CACHES = ("full", "streaming")
+DRAFT_CACHES = ("full", "streaming", "budget")
+QUANTS = ("none", "int8")
 
 
 @dataclass(frozen=True)
 class SpecBenchConfig:
     model: str = field(default="smollm2-135m", metadata={"help": "target: short name, .gguf, folder or HF id"})
     decoder: str = field(default="triforce", metadata={"help": "speculative method", "choices": DECODERS})
-    draft: str = field(default="truncated:8", metadata={
-        "help": "draft for spec/triforce: truncated:K (target's first K layers), ngram (spec only), or a model spec"})
-    draft_cache: str = field(default="full", metadata={"help": "spec: the draft's cache (streaming uses sink/window)",
-                                                       "choices": DRAFT_CACHES})
+    draft: str = field(default="ngram", metadata={
+        "help": "draft for spec/triforce: truncated:K (target's first K layers), ngram (prompt lookup), a model spec, "
+                "or a BudgetDraft run folder (train-drafter)"})
+    draft_cache: str = field(default="full", metadata={
+        "help": "spec: the draft's cache (streaming uses sink/window, budget is BudgetDraft's cache of --budget tokens)",
+        "choices": DRAFT_CACHES})
     dtype: str = field(default="fp32", metadata={"help": "weights and KV cache dtype", "choices": tuple(DTYPES)})
+    quant: str = field(default="none", metadata={
+        "help": "weight-only quantisation of the target (and so of the baseline and truncated drafts)",
+        "choices": QUANTS})
     device: str = field(default="auto", metadata={"help": "auto (CUDA if present), cpu, cuda, cuda:N"})
     context: int = field(default=4000, metadata={"help": "prompt tokens (essay text)"})
     new_tokens: int = field(default=128, metadata={"help": "tokens generated per run (>= 2)"})
     gamma: int = field(default=6, metadata={"help": "draft tokens per full-target verification (TriForce gamma2)"})
     gamma1: int = field(default=2, metadata={"help": "triforce: level-1 draft tokens per level-2 verification"})
-    budget: int = field(default=512, metadata={"help": "retrieval cache tokens (multiple of chunk_size)"})
+    budget: int = field(default=512, metadata={
+        "help": "retrieval cache tokens, or the draft's BudgetCache with --draft-cache budget (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "retrieval chunk size in tokens"})
     sink: int = field(default=16, metadata={"help": "streaming draft cache: sink tokens"})
     window: int = field(default=240, metadata={"help": "streaming draft cache: recent-window tokens"})
@@ -77,13 +92,14 @@ class SpecBenchConfig:
         require(self.draft_cache in DRAFT_CACHES,
                 f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         require(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        require(self.quant in QUANTS, f"quant must be one of {QUANTS}, got {self.quant!r}")
         require(self.context >= 2, f"context must be >= 2 tokens, got {self.context}")
         require(self.new_tokens >= 2, f"new_tokens must be >= 2, got {self.new_tokens}")
         require(self.gamma >= 1 and self.gamma1 >= 1, f"gamma and gamma1 must be >= 1, got {self.gamma}, {self.gamma1}")
-        require(self.decoder == "spec" or self.budget < self.context - 1,
+        require(self.draft_cache != "budget" or (self.decoder == "spec" and self.draft != "ngram"),
+                "--draft-cache budget is for --decoder spec with a draft model (BudgetDraft's inference setting)")
+        require((self.decoder == "spec" and self.draft_cache != "budget") or self.budget < self.context - 1,
                 f"budget ({self.budget}) must be smaller than the context ({self.context}) minus one")
-        require(self.decoder != "triforce" or self.draft != "ngram",
-                "triforce needs a draft model at level 1: use --draft truncated:K or a model spec")
         require(not self.draft.startswith("truncated:") or self.draft.removeprefix("truncated:").isdigit(),
                 f"draft {self.draft!r}: write truncated:K with K the number of target layers kept")
         require(self.warmup >= 0 and self.repeats >= 1,
@@ -110,6 +126,9 @@ class SpecRow:
     histogram: dict[str, list[int]] = field(default_factory=dict)  # verifier level -> rounds keeping n drafts
     rebuilds: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # decode time per region (inclusive), median run
+    drafted: dict[str, int] = field(default_factory=dict)  # verifier level -> draft tokens it checked, median run
+    verifications: dict[str, int] = field(default_factory=dict)  # verifier level -> its forwards, median run
+    decode_s: float = 0.0  # the median run's decode seconds (``seconds`` regions plus untimed bookkeeping)
 
 
 @dataclass
@@ -125,8 +144,10 @@ class SpecBenchResult:
 
     def table(self) -> str:
         c = self.config
+        quant = "" if c.quant == "none" else f" {c.quant}"
         head = (f"spec bench: {c.decoder} ({c.draft if c.decoder != 'retrieval' else 'self'}) vs ar, {c.model} "
-                f"{c.dtype} on {self.device}, prompt {self.prompt_len} tokens, {c.new_tokens} new, gamma {c.gamma}"
+                f"{c.dtype}{quant} on {self.device}, prompt {self.prompt_len} tokens, "
+                f"{c.new_tokens} new, gamma {c.gamma}"
                 f"{f', gamma1 {c.gamma1}' if c.decoder == 'triforce' else ''}"
                 f"{f', budget {c.budget}/{c.chunk_size}' if c.decoder != 'spec' else ''}, "
                 f"median of {c.repeats}\n")
@@ -146,11 +167,14 @@ class SpecBenchResult:
 
 
 def make_draft(spec: str, target: Transformer, dtype: torch.dtype, device: torch.device) -> Transformer | None:
-    """``truncated:K`` -> the target's first K layers (shared weights); ``ngram`` -> None; else a loaded model."""
+    """``truncated:K`` -> the target's first K layers (shared weights); ``ngram`` -> None; a BudgetDraft run
+    folder -> its trained drafter; else a loaded model."""
     if spec == "ngram":
         return None
     if spec.startswith("truncated:"):
         return truncated_draft(target, int(spec.removeprefix("truncated:")))
+    if has_checkpoint(Path(spec)):
+        return load_drafter(spec, dtype, device)
     return load_model(spec, dtype, device)
 
 
@@ -162,7 +186,8 @@ def spec_runner(cfg: SpecBenchConfig, target: Transformer, draft: Transformer | 
         return lambda: retrieval(target, prompt, n, sampling, gamma=cfg.gamma, budget=cfg.budget,
                                  chunk_size=cfg.chunk_size, rebuild=cfg.rebuild, group_reduce=cfg.group_reduce)
     if cfg.decoder == "triforce":
-        return lambda: triforce(target, draft, prompt, n, sampling, gamma1=cfg.gamma1, gamma2=cfg.gamma,
+        return lambda: triforce(target, NgramDrafter(target.cfg.vocab_size) if draft is None else draft, prompt, n,
+                                sampling, gamma1=cfg.gamma1, gamma2=cfg.gamma,
                                 budget=cfg.budget, chunk_size=cfg.chunk_size, sink=cfg.sink, window=cfg.window,
                                 rebuild=cfg.rebuild, group_reduce=cfg.group_reduce,
                                 draft_positions=cfg.draft_positions)
@@ -170,6 +195,8 @@ def spec_runner(cfg: SpecBenchConfig, target: Transformer, draft: Transformer | 
     def drafter() -> Drafter:
         if draft is None:
             return NgramDrafter(target.cfg.vocab_size)
+        if cfg.draft_cache == "budget":
+            return BudgetDrafter.create(draft, cfg.budget, prompt.shape[1] + n, cfg.chunk_size)
         if cfg.draft_cache == "streaming":
             return ModelDrafter(draft, StreamingCache(draft.cfg, cfg.sink, cfg.window, cfg.gamma, dtype=draft.dtype,
                                                       device=draft.device, rotary=draft.rotary,
@@ -194,7 +221,9 @@ def spec_row(decoder: str, runs: list[SpecResult], ar_decode_ms: float, ar_total
     return SpecRow(decoder, statistics.median(r.stats.prefill_s for r in runs), decode_ms, 1000 / decode_ms,
                    ar_decode_ms / decode_ms, ar_total_s / total_s, median.tokens_per_iteration,
                    {lvl.name: lvl.acceptance_rate for lvl in levels}, {lvl.name: lvl.mean_accepted for lvl in levels},
-                   {lvl.name: list(lvl.histogram) for lvl in levels}, median.rebuilds, dict(median.seconds))
+                   {lvl.name: list(lvl.histogram) for lvl in levels}, median.rebuilds, dict(median.seconds),
+                   {lvl.name: lvl.drafted for lvl in levels}, {lvl.name: lvl.verifications for lvl in levels},
+                   median.decode_s)
 
 
 def run_spec_bench(cfg: SpecBenchConfig, progress: bool = False) -> SpecBenchResult:
@@ -202,6 +231,8 @@ def run_spec_bench(cfg: SpecBenchConfig, progress: bool = False) -> SpecBenchRes
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
     target = load_model(cfg.model, dtype, device)
+    if cfg.quant == "int8":  # before the draft is cut from it: baseline, method and truncated draft share it
+        quantize_int8(target)
     prompt = bench_prompt(cfg.model, cfg.context, cfg.split, cfg.variant).to(device)
     draft = None if cfg.decoder == "retrieval" else make_draft(cfg.draft, target, dtype, device)
     run_method = spec_runner(cfg, target, draft, prompt)

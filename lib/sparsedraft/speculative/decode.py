@@ -150,25 +150,31 @@ def retrieval(target: Transformer, prompt: torch.Tensor, max_new_tokens: int,
                        acceptance=acceptance, eos_token_id=eos_token_id)
 
 
-def triforce_drafter(target: Transformer, draft_model: Transformer, gamma1: int, gamma2: int, budget: int,
+def triforce_drafter(target: Transformer, draft_model: Transformer | Drafter, gamma1: int, gamma2: int, budget: int,
                      chunk_size: int, sink: int, window: int, group_reduce: str = "sum",
                      draft_positions: str = "cache",
                      acceptance: AcceptanceRule = standard_acceptance) -> SpeculativeDrafter:
     """Levels 1 and 2 of TriForce as one drafter for the full-cache target.
 
-    Level 1 may roll back up to ``gamma1 + gamma2`` tokens (a level-3 rejection
-    undoes a whole level-2 proposal plus the round in flight); level 2 holds
-    at most ``gamma2`` speculative tokens between syncs.
+    Level 1 is ``draft_model`` over a StreamingLLM cache, or any ready
+    :class:`Drafter` (e.g. prompt lookup, which needs no model). It may roll
+    back up to ``gamma1 + gamma2`` tokens (a level-3 rejection undoes a whole
+    level-2 proposal plus the round in flight); level 2 holds at most
+    ``gamma2`` speculative tokens between syncs.
     """
     require(gamma1 >= 1 and gamma2 >= 1, f"gamma1 and gamma2 must be >= 1, got gamma1={gamma1}, gamma2={gamma2}")
-    streaming = StreamingCache(draft_model.cfg, sink, window, spec_slots=gamma1 + gamma2, dtype=draft_model.dtype,
-                               device=draft_model.device, rotary=draft_model.rotary, positions=draft_positions)
+    if isinstance(draft_model, Drafter):
+        level1 = draft_model
+    else:
+        level1 = ModelDrafter(draft_model, StreamingCache(
+            draft_model.cfg, sink, window, spec_slots=gamma1 + gamma2, dtype=draft_model.dtype,
+            device=draft_model.device, rotary=draft_model.rotary, positions=draft_positions))
     level2 = RetrievalCache(target.cfg, budget, chunk_size, spec_slots=gamma2, dtype=target.dtype,
                             device=target.device, group_reduce=group_reduce)
-    return SpeculativeDrafter(target, level2, ModelDrafter(draft_model, streaming), gamma1, acceptance, "level2")
+    return SpeculativeDrafter(target, level2, level1, gamma1, acceptance, "level2")
 
 
-def triforce(target: Transformer, draft_model: Transformer, prompt: torch.Tensor, max_new_tokens: int,
+def triforce(target: Transformer, draft_model: Transformer | Drafter, prompt: torch.Tensor, max_new_tokens: int,
              sampling: SamplingConfig = SamplingConfig(), *, gamma1: int = 2, gamma2: int = 6,
              budget: int = 4096, chunk_size: int = 8, sink: int = 16, window: int = 240,
              rebuild: RebuildPolicy | str = "never", group_reduce: str = "sum", draft_positions: str = "cache",
