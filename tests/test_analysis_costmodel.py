@@ -102,6 +102,36 @@ def test_three_level_expectation_matches_simulated_schedules(alpha1, alpha2, gam
     assert simulated == pytest.approx(predicted, rel=0.03)
 
 
+def _simulate_capped(alpha1, alpha2, gamma1, gamma2, iterations, rng, costs=SEED_COSTS):
+    """The library's rule: a round holding h tokens drafts min(gamma1, gamma2 - h - 1); level 3 checks gamma2."""
+    ms = tokens = 0.0
+    for _ in range(iterations):
+        held = 0
+        while held < gamma2:
+            drafts = min(gamma1, gamma2 - held - 1)
+            k = 0
+            while k < drafts and rng.random() < alpha1:
+                k += 1
+            ms += drafts * costs.draft_ms + costs.retrieval_ms
+            held += k + 1
+        assert held == gamma2
+        a = 0
+        while a < held and rng.random() < alpha2:
+            a += 1
+        ms, tokens = ms + costs.target_ms, tokens + a + 1
+    return ms / tokens
+
+
+@pytest.mark.parametrize("alpha1, alpha2, gamma1, gamma2", [(0.7, 0.9, 2, 6), (0.4, 0.6, 3, 5), (0.0, 0.8, 2, 6)])
+def test_capped_rule_expectation_matches_simulation_and_differs_from_overshoot(alpha1, alpha2, gamma1, gamma2):
+    capped = predict_ms_per_token(SEED_COSTS, gamma1, gamma2, alpha1, alpha2, overshoot=False)
+    simulated = _simulate_capped(alpha1, alpha2, gamma1, gamma2, 3000, random.Random(1))
+    assert simulated == pytest.approx(capped.ms_per_token, rel=0.03)
+    assert capped.tokens_per_iteration == pytest.approx(expected_tokens_per_verify(alpha2, gamma2))
+    seed_rule = predict_ms_per_token(SEED_COSTS, gamma1, gamma2, alpha1, alpha2)
+    assert capped.ms_per_iteration < seed_rule.ms_per_iteration  # the last round drafts fewer tokens
+
+
 def test_speedup_vs_context_rises_with_context():
     setup = HierarchySetup(alpha1=0.8, alpha2=0.9, alpha_tiny=0.5)
     frame = speedup_vs_context(MODELS["llama2-7b-128k"], MODELS["llama-68m"], HARDWARE["a100-80gb"],

@@ -12,7 +12,7 @@
 from .bottleneck import (bytes_per_token_table, crossover_context, fig1_table, flops_per_token_table,
                          footprint_bytes, ideal_latency_ms, latency_table, parameter_count)
 from .costmodel import (SEED_COSTS, HierarchySetup, LevelCosts, Prediction, Schedule, Step, build_schedule,
-                        expected_tokens_per_verify, predict_ms_per_token, predict_two_level,
+                        expected_tokens_per_verify, measured_level_costs, predict_ms_per_token, predict_two_level,
                         seed_collapse_schedule, seed_normal_schedule, speedup_vs_context)
 from .locality import LocalityConfig, LocalityResult, contextual_locality
 from .profiles import HARDWARE, MODELS, Hardware, this_machine
@@ -22,7 +22,7 @@ __all__ = [
     "HARDWARE", "MODELS", "SEED_COSTS", "Hardware", "HierarchySetup", "LevelCosts", "LocalityConfig",
     "LocalityResult", "Prediction", "Schedule", "SparsityConfig", "Step", "attention_recovery", "build_schedule",
     "bytes_per_token_table", "contextual_locality", "crossover_context", "expected_tokens_per_verify",
-    "fig1_table", "flops_per_token_table", "footprint_bytes", "ideal_latency_ms", "last_positions", "latency_table", "parameter_count",
-    "predict_ms_per_token", "predict_two_level", "seed_collapse_schedule", "seed_normal_schedule",
+    "fig1_table", "flops_per_token_table", "footprint_bytes", "ideal_latency_ms", "last_positions", "latency_table",
+    "measured_level_costs", "parameter_count", "predict_ms_per_token", "predict_two_level", "seed_collapse_schedule", "seed_normal_schedule",
     "speedup_vs_context", "summarize_recovery", "this_machine",
 ]

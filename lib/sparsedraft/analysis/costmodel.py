@@ -223,33 +223,66 @@ def predict_two_level(draft_ms: float, target_ms: float, gamma: int, alpha: floa
     return Prediction(gamma * draft_ms + target_ms + overhead_ms, expected_tokens_per_verify(alpha, gamma), target_ms)
 
 
+def _emitted(alpha: float, drafts: int) -> dict[int, float]:
+    """Law of tokens a verify emits (accepted + 1) over ``drafts`` i.i.d. drafts."""
+    emit = {k + 1: alpha ** k * (1 - alpha) for k in range(drafts)}
+    emit[drafts + 1] = alpha ** drafts
+    return emit
+
+
 def predict_ms_per_token(costs: LevelCosts, gamma1: int, gamma2: int, alpha1: float, alpha2: float,
-                         overhead_ms: float = 0.0) -> Prediction:
+                         overhead_ms: float = 0.0, overshoot: bool = True) -> Prediction:
     """Three-level prediction from per-level costs and acceptance rates (exact expectation of the rule).
 
     ``alpha1``: chance level 2 accepts a level-1 draft; ``alpha2``: chance
     level 3 accepts a held token; ``overhead_ms``: per-iteration extras
     (retrieval, cache updates, amortised rebuilds) to compare with measurements.
+    ``overshoot=True`` is the module's rule (every round drafts γ1, level 2
+    may end up holding up to γ2 + γ1 tokens). ``overshoot=False`` is what
+    :class:`sparsedraft.speculative.SpeculativeDrafter` does: a round holding
+    h tokens drafts only min(γ1, γ2 − h − 1), so level 2 hands exactly γ2
+    tokens to level 3 -- use it to predict runs of this library.
     """
     _check_gammas(gamma1, gamma2)
     require(overhead_ms >= 0, f"overhead_ms must be >= 0, got {overhead_ms}")
     expected_tokens_per_verify(alpha1, gamma1)  # validates alpha1
-    emit = {k + 1: alpha1 ** k * (1 - alpha1) for k in range(gamma1)}
-    emit[gamma1 + 1] = alpha1 ** gamma1
     reach = [0.0] * gamma2  # probability that a round starts with this many tokens held
     reach[0] = 1.0
     final: dict[int, float] = {}  # held tokens when level 3 verifies -> probability
+    round_ms = 0.0  # expected level-1 + level-2 time over all rounds
     for held in range(gamma2):
-        for tokens, p in emit.items():
+        drafts = gamma1 if overshoot else min(gamma1, gamma2 - held - 1)
+        round_ms += reach[held] * (drafts * costs.draft_ms + costs.retrieval_ms)
+        for tokens, p in _emitted(alpha1, drafts).items():
             after = held + tokens
             if after < gamma2:
                 reach[after] += reach[held] * p
             else:
                 final[after] = final.get(after, 0.0) + reach[held] * p
-    rounds = sum(reach)
     tokens = sum(p * expected_tokens_per_verify(alpha2, held) for held, p in final.items())
-    ms = rounds * (gamma1 * costs.draft_ms + costs.retrieval_ms) + costs.target_ms + overhead_ms
-    return Prediction(ms, tokens, costs.target_ms)
+    return Prediction(round_ms + costs.target_ms + overhead_ms, tokens, costs.target_ms)
+
+
+def measured_level_costs(seconds: dict[str, float], drafted: dict[str, int], verifications: dict[str, int],
+                         decode_s: float) -> tuple[LevelCosts, float]:
+    """Per-forward costs of a TriForce run and its per-iteration overhead, from the run's own records.
+
+    ``seconds`` are the driver's timed regions (``level2_draft``: level-1
+    forwards, ``level2_verify``: level-2 forwards, ``verify``: full-target
+    forwards); ``drafted`` / ``verifications`` are per verifier level
+    (``level2``, ``target``): level 1 makes one forward per token it drafts.
+    The overhead is the decode time outside those forwards (cache syncs,
+    rebuilds, Python) per full-target verification.
+    """
+    for key in ("level2_draft", "level2_verify", "verify"):
+        require(key in seconds, f"no {key!r} region in the run's seconds {sorted(seconds)}: pass a TriForce run")
+    require(drafted.get("level2", 0) > 0 and verifications.get("level2", 0) > 0 and verifications.get("target", 0) > 0,
+            f"a TriForce run with level-1 drafts is needed, got drafted={drafted}, verifications={verifications}")
+    costs = LevelCosts(draft_ms=1000 * seconds["level2_draft"] / drafted["level2"],
+                       retrieval_ms=1000 * seconds["level2_verify"] / verifications["level2"],
+                       target_ms=1000 * seconds["verify"] / verifications["target"])
+    forwards_s = seconds["level2_draft"] + seconds["level2_verify"] + seconds["verify"]
+    return costs, max(0.0, 1000 * (decode_s - forwards_s) / verifications["target"])
 
 
 @dataclass(frozen=True)
