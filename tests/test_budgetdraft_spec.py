@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from sparsedraft.budgetdraft.drafter import BudgetDrafter
-from sparsedraft.budgetdraft.evaluate import (acceptance_grid, draft_matches, drafters_from_runs, robustness_table,
-                                              simulate_greedy, speculative_acceptance)
+from sparsedraft.budgetdraft.evaluate import (acceptance_grid, draft_matches, drafters_from_runs, robustness_from_grid,
+                                              robustness_table, simulate_greedy, speculative_acceptance)
 from sparsedraft.budgetdraft.config import TrainConfig
 from sparsedraft.budgetdraft.train import train_drafter
 from sparsedraft.caches.budget import BudgetCache
@@ -71,8 +71,13 @@ def test_grid_and_robustness_table_shapes(pair):
     assert len(grid) == 2 * 2 * 3 and grid["acceptance_rate"].between(0, 1).all()
     table = robustness_table(verifier, drafters, ByteTokenizer(), contexts=(160,), budgets=(16, 32, None),
                              new_tokens=16)
-    assert list(table.columns) == [16, 32, "full", "spread"] and len(table) == 2
+    assert list(table.columns) == [16, 32, "full", "spread", "mean"] and len(table) == 2
     assert (table["spread"] == table[[16, 32]].max(axis=1) - table[[16, 32]].min(axis=1)).all()
+    assert (table["mean"] == table[[16, 32]].mean(axis=1)).all()
+    from_grid = robustness_from_grid(grid[grid.context == 160], (16, 32, None))
+    assert from_grid.equals(table)  # the same prompts give the same table, from one grid
+    with pytest.raises(SparsedraftError, match="no rows for budgets"):
+        robustness_from_grid(grid, (16, 64))
 
 
 def test_simulate_greedy_counts_rounds():

@@ -16,12 +16,13 @@ The inference cache itself is :class:`sparsedraft.caches.budget.BudgetCache`.
 from .checkpoint import load_drafter
 from .config import TrainConfig
 from .drafter import BudgetDrafter
-from .evaluate import (AcceptanceStats, acceptance_grid, draft_matches, robustness_table, simulate_greedy,
-                       speculative_acceptance)
+from .evaluate import (AcceptanceStats, acceptance_grid, draft_matches, robustness_from_grid, robustness_table,
+                       simulate_greedy, speculative_acceptance)
 from .loss import agreement, budgetdraft_loss
 from .train import TrainResult, train_drafter
 from .view import BudgetView, budget_masks
 
 __all__ = ["AcceptanceStats", "BudgetDrafter", "BudgetView", "TrainConfig", "TrainResult", "acceptance_grid",
-           "agreement", "budget_masks", "budgetdraft_loss", "draft_matches", "load_drafter", "robustness_table",
+           "agreement", "budget_masks", "budgetdraft_loss", "draft_matches", "load_drafter", "robustness_from_grid",
+           "robustness_table",
            "simulate_greedy", "speculative_acceptance", "train_drafter"]

@@ -161,9 +161,21 @@ def robustness_table(verifier: Transformer, drafters: Mapping[str, Transformer],
     """
     grid = acceptance_grid(verifier, drafters, tokenizer, contexts, list(budgets), new_tokens, gamma, prompts,
                            chunk_size=chunk_size, obs_window=obs_window)
+    return robustness_from_grid(grid, budgets)
+
+
+def robustness_from_grid(grid: pd.DataFrame, budgets: Sequence[int | None]) -> pd.DataFrame:
+    """Pivot an :func:`acceptance_grid` frame to the robustness view: one row per drafter and context,
+    one column per budget (``None`` -> "full"), plus ``spread`` (max - min over the sparse budgets)
+    and ``mean`` (their average)."""
+    columns = ["full" if b is None else b for b in budgets]
+    missing = sorted(set(map(str, columns)) - set(map(str, grid.budget.unique())))
+    require(not missing, f"the grid has no rows for budgets {missing}; evaluate them with acceptance_grid first")
     table = grid.pivot_table(index=["drafter", "context"], columns="budget", values="acceptance_rate", sort=False)
+    table = table[columns]
     sparse = table[[b for b in budgets if b is not None]]
     table["spread"] = sparse.max(axis=1) - sparse.min(axis=1)
+    table["mean"] = sparse.mean(axis=1)
     return table
 
 
