@@ -18,7 +18,7 @@ from sparsedraft.data import prompt_tokens
 from sparsedraft.generate import generate
 from sparsedraft.speculative import ModelDrafter, NgramDrafter, retrieval, speculative, triforce, truncated_draft
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.slow
 
 NEW = 64
 DECODERS = ("ngram", "truncated", "retrieval", "triforce")
