@@ -72,8 +72,12 @@ def has_checkpoint(run_dir: Path) -> bool:
     return (run_dir / STATE).is_file()
 
 
-def load_checkpoint(run_dir: Path) -> Checkpoint:
+def _require_checkpoint(run_dir: Path) -> None:
     require(has_checkpoint(run_dir), f"{run_dir} holds no checkpoint ({STATE} missing); train a drafter first")
+
+
+def load_checkpoint(run_dir: Path) -> Checkpoint:
+    _require_checkpoint(run_dir)
     state = json.loads((run_dir / STATE).read_text())
     moments: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in load_file(str(run_dir / "optimizer.safetensors")).items():
@@ -88,6 +92,9 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
 
 def load_drafter(run_dir: str | Path, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> Transformer:
-    """A trained drafter for inference (eval mode), from a run folder."""
-    ckpt = load_checkpoint(Path(run_dir))
-    return from_state_dict(ckpt.model_config, ckpt.weights, dtype=dtype, device=device)
+    """A trained drafter for inference (eval mode), from a run folder (weights only: the optimizer
+    moments, twice the drafter's size, are not read)."""
+    run_dir = Path(run_dir)
+    _require_checkpoint(run_dir)
+    model_config = ModelConfig(**json.loads((run_dir / STATE).read_text())["model_config"])
+    return from_state_dict(model_config, load_file(str(run_dir / "drafter.safetensors")), dtype=dtype, device=device)
