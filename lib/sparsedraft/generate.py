@@ -27,10 +27,6 @@ class GenerationResult:
     decode_s: float  # wall time of the token-by-token loop
     prompt_len: int
 
-    @property
-    def decode_ms_per_token(self) -> float:
-        return 1000 * self.decode_s / max(self.tokens.shape[1], 1)
-
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":

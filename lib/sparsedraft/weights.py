@@ -100,15 +100,16 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """Load a model for inference (eval mode) on ``device`` in ``dtype``."""
     where = resolve(spec)
     if isinstance(where, str):
-        return tiny_model(where[5:], dtype=dtype).to(device)
-    if where.is_file() and where.suffix == ".gguf":
-        cfg, tensors = _gguf(where)
+        model = tiny_model(where[5:], dtype=dtype).to(device)
+    elif where.is_file() and where.suffix == ".gguf":
+        model = _assemble(*_gguf(where), dtype, device)
     elif where.is_dir():
-        cfg, tensors = _hf_folder(where)
+        model = _assemble(*_hf_folder(where), dtype, device)
     else:
         raise SparsedraftError(f"{where} is neither a .gguf file nor a folder with config.json; "
                                "pass one of those")
-    return _assemble(cfg, tensors, dtype, device)
+    model.source = str(spec)  # what load_tokenizer takes to find the matching tokenizer
+    return model
 
 
 def from_state_dict(cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]] | dict,

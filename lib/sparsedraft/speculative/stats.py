@@ -95,13 +95,9 @@ class SpecStats:
         """Tokens emitted per full-cache target forward."""
         return self.generated / self.target_forwards if self.target_forwards else float("nan")
 
-    @property
-    def decode_ms_per_token(self) -> float:
-        return 1000 * self.decode_s / max(self.generated, 1)
-
     def to_dict(self) -> dict[str, Any]:
         return {"generated": self.generated, "target_forwards": self.target_forwards,
                 "tokens_per_iteration": self.tokens_per_iteration, "rebuilds": self.rebuilds,
                 "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-                "decode_ms_per_token": self.decode_ms_per_token, "seconds": dict(self.seconds),
+                "seconds": dict(self.seconds),
                 "levels": [lvl.to_dict() for lvl in self.levels]}

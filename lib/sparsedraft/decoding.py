@@ -1,0 +1,128 @@
+"""One door to every decoder: ``decode(model, prompt, method=..., max_new_tokens=..., **options)``.
+
+The methods live in :data:`sparsedraft.methods.METHODS`; this module turns a
+prompt (text or ids) into token ids, validates everything before the first
+forward, runs the method and returns one :class:`DecodeResult`, whatever the
+method.
+
+Time per token is defined once, here: decode seconds divided by the tokens
+the decode phase emitted (:attr:`DecodeResult.decode_tokens`). Plain decoding
+takes its first token from the prefill logits, so its decode phase emits
+``N - 1`` of ``N`` tokens; a speculative run keeps the last prompt token out of
+its prefill and verifies the first generated token like every other, so its
+decode phase emits all ``N``. Each ratio therefore compares the cost of one
+emitted token in steady state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .data import ByteTokenizer, Tokenizer
+from .errors import require
+from .generate import GenerationResult, check_prompt
+from .methods import METHODS, method_options
+from .model import Transformer
+from .sampling import SamplingConfig
+from .speculative import LevelStats, SpecStats
+
+Prompt = str | Sequence[str] | Sequence[int] | torch.Tensor
+
+
+@dataclass
+class DecodeResult:
+    method: str
+    tokens: torch.Tensor  # [batch, new] generated ids (prompt excluded), on the CPU
+    prompt_len: int
+    prefill_s: float  # wall time of the prompt forward(s), including a sparse cache's build
+    decode_s: float  # wall time of the generation loop
+    decode_tokens: int  # tokens the decode phase emitted per sequence (see the module docstring)
+    levels: list[LevelStats] = field(default_factory=list)  # verifier levels, draft-most first; [] for ar
+    stats: SpecStats | None = None  # a speculative run's full record (time per region, rebuilds)
+    text: list[str] | None = None  # decoded tokens per sequence when a tokenizer is known
+
+    @property
+    def ms_per_token(self) -> float:
+        """Decode milliseconds per emitted token: the one definition every ratio uses."""
+        return 1000 * self.decode_s / self.decode_tokens if self.decode_tokens else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput over the batch."""
+        return self.tokens.shape[0] * 1000 / self.ms_per_token if self.decode_tokens else float("nan")
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "tokens": self.tokens.tolist(), "prompt_len": self.prompt_len,
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s, "decode_tokens": self.decode_tokens,
+                "ms_per_token": self.ms_per_token, "levels": [lvl.to_dict() for lvl in self.levels],
+                "stats": self.stats.to_dict() if self.stats else None, "text": self.text}
+
+
+def tokenizer_for(model: Transformer) -> Tokenizer:
+    """The tokenizer that belongs to a model loaded by name (UTF-8 bytes for the tiny random models)."""
+    source = getattr(model, "source", None)
+    require(source is not None, "this model was not loaded by name, so its tokenizer is unknown; pass tokenizer=")
+    if source.startswith("tiny-"):
+        return ByteTokenizer()
+    from .weights import load_tokenizer
+    return load_tokenizer(source)
+
+
+def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None) -> torch.Tensor:
+    """``prompt`` as ids ``[batch, tokens]``: a text, a list of equally long texts, ids, or a tensor."""
+    if isinstance(prompt, torch.Tensor):
+        require(prompt.dim() in (1, 2), f"a prompt tensor must be [tokens] or [batch, tokens], got {prompt.dim()}-D")
+        return prompt.long() if prompt.dim() == 2 else prompt.long()[None]
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    require(len(texts) > 0, "the prompt is empty; pass text or token ids")
+    if not isinstance(texts[0], str):
+        return torch.tensor([texts], dtype=torch.long)
+    require(tokenizer is not None, "a text prompt needs a tokenizer: pass tokenizer=, or load the model by name")
+    rows = [tokenizer.encode(text) for text in texts]
+    lengths = sorted({len(r) for r in rows})
+    require(len(lengths) == 1, f"the texts tokenize to different lengths {lengths}; batch prompts must be equally "
+                               "long (decode them one at a time)")
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_tokens: int = 64, *,
+           sampling: SamplingConfig | None = None, temperature: float | None = None, top_p: float | None = None,
+           seed: int | None = None, tokenizer: Tokenizer | None = None, eos_token_id: int | None = None,
+           **options: Any) -> DecodeResult:
+    """Generate ``max_new_tokens`` with ``method`` (see :data:`sparsedraft.methods.METHODS` for each one's options).
+
+    ``sampling`` (or the ``temperature``/``top_p``/``seed`` shortcuts) sets
+    the law; temperature 0 is greedy, where every method returns exactly the
+    tokens of ``method="ar"``. Every option and the prompt are checked before
+    the first forward.
+    """
+    opts = method_options(method, **options)
+    shortcuts = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed)) if v is not None}
+    require(sampling is None or not shortcuts, "give either sampling= or temperature/top_p/seed, not both")
+    sampling = sampling or SamplingConfig(**shortcuts)
+    if tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt
+                                                           and isinstance(prompt[0], str))):
+        tokenizer = tokenizer_for(model)
+    ids = prompt_ids(prompt, tokenizer).to(model.device)
+    check_prompt(model, ids, max_new_tokens)
+    if method != "ar":
+        require(ids.shape[0] == 1, f"method {method!r} decodes one sequence (batch 1), got batch {ids.shape[0]}; "
+                                   "loop over the prompts")
+        require(ids.shape[1] >= 2, f"speculative methods need a prompt of >= 2 tokens, got {ids.shape[1]}")
+    opts.check(model.cfg, ids.shape[1])
+    outcome = METHODS[method].run(model, ids, max_new_tokens, sampling, opts, eos_token_id)
+    text = None if tokenizer is None else [tokenizer.decode(row.tolist()) for row in outcome.tokens]
+    if isinstance(outcome, GenerationResult):
+        return DecodeResult(method, outcome.tokens, ids.shape[1], outcome.prefill_s, outcome.decode_s,
+                            max(outcome.tokens.shape[1] - 1, 0), text=text)
+    s = outcome.stats
+    return DecodeResult(method, outcome.tokens, ids.shape[1], s.prefill_s, s.decode_s, s.generated, s.levels, s,
+                        text)
+

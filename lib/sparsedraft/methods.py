@@ -1,0 +1,261 @@
+"""The decoding methods :func:`sparsedraft.decode` knows, registered in one place.
+
+Each method is an options dataclass (validated on construction, with a
+``check`` for what depends on the model and the prompt length) and a run
+function over the library's decoders. The CLI and the benchmarks derive their
+options from the same dataclasses (:mod:`sparsedraft.cliopts`), so a method
+added to :data:`METHODS` is reachable from Python, the bench and the command
+line at once.
+
+Defaults are the best settings measured on a 2-core CPU with SmolLM2 at 8K
+(README); the underlying functions keep the papers' defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .budgetdraft.checkpoint import has_checkpoint, load_drafter
+from .budgetdraft.drafter import BudgetDrafter
+from .caches import StreamingCache, rebuild_policy
+from .caches.retrieval import GROUP_REDUCTIONS
+from .caches.streaming import POSITION_MODES
+from .config import ModelConfig
+from .errors import require
+from .generate import GenerationResult, generate
+from .model import Transformer
+from .sampling import SamplingConfig
+from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retrieval, speculative, triforce,
+                          truncated_draft)
+
+DRAFT_CACHES = ("full", "streaming", "budget")
+
+
+def _check_draft_spec(draft: Any) -> None:
+    if isinstance(draft, (Transformer, Drafter)):
+        return
+    require(isinstance(draft, str), f"draft must be a spec string, a Transformer or a Drafter, got {type(draft).__name__}")
+    require(not draft.startswith("truncated:") or draft.removeprefix("truncated:").isdigit(),
+            f"draft {draft!r}: write truncated:K with K the number of target layers kept")
+
+
+def _check_budget(budget: int, chunk_size: int, prompt_len: int) -> None:
+    require(chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size}")
+    require(budget >= chunk_size and budget % chunk_size == 0,
+            f"budget ({budget}) must be a positive multiple of chunk_size ({chunk_size})")
+    context = prompt_len - 1  # the full cache holds the prompt minus its pending last token
+    require(budget < context, f"budget ({budget}) must be smaller than the cached context ({context} tokens: the "
+                              f"prompt minus its last); use a longer prompt or a budget < {context}")
+
+
+@dataclass(frozen=True)
+class ArOptions:
+    """Plain autoregressive decoding over a full cache: the baseline."""
+
+    def check(self, cfg: ModelConfig, prompt_len: int) -> None:
+        """Nothing beyond the prompt checks every method shares."""
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """A draft proposes ``gamma`` tokens per full-target verification."""
+
+    draft: str = field(default="ngram", metadata={
+        "help": "ngram (prompt lookup), truncated:K (the target's first K layers), a model spec, or a BudgetDraft "
+                "run folder; from Python also a Transformer or Drafter"})
+    draft_cache: str = field(default="full", metadata={
+        "help": "the draft model's cache: full, streaming (sink + window) or budget (BudgetDraft, --budget tokens)",
+        "choices": DRAFT_CACHES})
+    gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
+    budget: int = field(default=1024, metadata={"help": "tokens of a budget draft cache (multiple of chunk_size)"})
+    chunk_size: int = field(default=8, metadata={"help": "chunk size of a budget draft cache"})
+    sink: int = field(default=16, metadata={"help": "streaming draft cache: sink tokens"})
+    window: int = field(default=240, metadata={"help": "streaming draft cache: recent-window tokens"})
+    draft_positions: str = field(default="cache", metadata={"help": "streaming draft cache RoPE positions",
+                                                            "choices": POSITION_MODES})
+
+    def __post_init__(self) -> None:
+        _check_draft_spec(self.draft)
+        require(self.draft_cache in DRAFT_CACHES, f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
+        require(self.gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {self.gamma}")
+        require(self.draft_positions in POSITION_MODES,
+                f"draft_positions must be one of {POSITION_MODES}, got {self.draft_positions!r}")
+        require(self.sink >= 0 and self.window >= 1, f"need sink >= 0 and window >= 1, got {self.sink}, {self.window}")
+        require(self.draft_cache == "full" or self.draft != "ngram",
+                f"draft_cache {self.draft_cache!r} needs a draft model; prompt lookup (ngram) has no cache")
+
+    def check(self, cfg: ModelConfig, prompt_len: int) -> None:
+        if self.draft_cache == "budget":
+            _check_budget(self.budget, self.chunk_size, prompt_len)
+        if isinstance(self.draft, str) and self.draft.startswith("truncated:"):
+            k = int(self.draft.removeprefix("truncated:"))
+            require(1 <= k <= cfg.num_layers, f"truncated:{k} needs 1 <= K <= {cfg.num_layers} (the target's layers)")
+
+
+@dataclass(frozen=True)
+class BudgetDraftOptions:
+    """A BudgetDraft drafter over its budgeted sparse cache drafts for the full target."""
+
+    draft: str = field(default="outputs/budgetdraft/default", metadata={
+        "help": "a BudgetDraft run folder (train-drafter), a model spec, or from Python a Transformer"})
+    budget: int = field(default=1024, metadata={"help": "drafter KV budget in tokens (multiple of chunk_size)"})
+    chunk_size: int = field(default=8, metadata={"help": "chunk size of the budget cache"})
+    gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
+
+    def __post_init__(self) -> None:
+        _check_draft_spec(self.draft)
+        require(self.draft != "ngram", "budgetdraft needs a draft model, not prompt lookup (ngram)")
+        require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
+
+    def check(self, cfg: ModelConfig, prompt_len: int) -> None:
+        _check_budget(self.budget, self.chunk_size, prompt_len)
+
+
+@dataclass(frozen=True)
+class RetrievalOptions:
+    """The target over a retrieval cache drafts for itself (no hierarchy)."""
+
+    gamma: int = field(default=6, metadata={"help": "draft tokens per full-target verification"})
+    budget: int = field(default=1024, metadata={"help": "retrieval cache tokens (multiple of chunk_size)"})
+    chunk_size: int = field(default=8, metadata={"help": "retrieval chunk size in tokens"})
+    rebuild: str = field(default="never", metadata={"help": "rebuild policy: never, every:N, accept<T[:W]"})
+    group_reduce: str = field(default="sum", metadata={"help": "GQA chunk scoring over a KV head's query group",
+                                                       "choices": GROUP_REDUCTIONS})
+
+    def __post_init__(self) -> None:
+        require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
+        require(self.group_reduce in GROUP_REDUCTIONS,
+                f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
+        rebuild_policy(self.rebuild)  # raises on a malformed policy
+
+    def check(self, cfg: ModelConfig, prompt_len: int) -> None:
+        _check_budget(self.budget, self.chunk_size, prompt_len)
+
+
+@dataclass(frozen=True)
+class TriforceOptions:
+    """Level 1 (draft, gamma1) -> level 2 (target + retrieval cache, gamma2) -> level 3 (full target)."""
+
+    draft: str = field(default="ngram", metadata={
+        "help": "level 1: ngram (prompt lookup), truncated:K, a model spec or a BudgetDraft run folder (streaming "
+                "cache); from Python also a Transformer or Drafter"})
+    gamma1: int = field(default=4, metadata={"help": "level-1 draft tokens per level-2 verification"})
+    gamma2: int = field(default=8, metadata={"help": "level-2 tokens per full-target verification"})
+    budget: int = field(default=1024, metadata={"help": "retrieval cache tokens (multiple of chunk_size)"})
+    chunk_size: int = field(default=8, metadata={"help": "retrieval chunk size in tokens"})
+    sink: int = field(default=16, metadata={"help": "level-1 streaming cache: sink tokens"})
+    window: int = field(default=240, metadata={"help": "level-1 streaming cache: recent-window tokens"})
+    draft_positions: str = field(default="cache", metadata={"help": "level-1 streaming cache RoPE positions",
+                                                            "choices": POSITION_MODES})
+    rebuild: str = field(default="never", metadata={"help": "retrieval rebuild policy: never, every:N, accept<T[:W]"})
+    group_reduce: str = field(default="sum", metadata={"help": "GQA chunk scoring over a KV head's query group",
+                                                       "choices": GROUP_REDUCTIONS})
+
+    def __post_init__(self) -> None:
+        _check_draft_spec(self.draft)
+        require(self.gamma1 >= 1 and self.gamma2 >= 1,
+                f"gamma1 and gamma2 must be >= 1, got gamma1={self.gamma1}, gamma2={self.gamma2}")
+        require(self.group_reduce in GROUP_REDUCTIONS,
+                f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
+        require(self.draft_positions in POSITION_MODES,
+                f"draft_positions must be one of {POSITION_MODES}, got {self.draft_positions!r}")
+        require(self.sink >= 0 and self.window >= 1, f"need sink >= 0 and window >= 1, got {self.sink}, {self.window}")
+        rebuild_policy(self.rebuild)
+
+    def check(self, cfg: ModelConfig, prompt_len: int) -> None:
+        _check_budget(self.budget, self.chunk_size, prompt_len)
+
+
+def load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
+    """A draft spec made concrete: ``ngram`` -> None (prompt lookup), ``truncated:K`` -> the target's first K
+    layers (shared weights), a BudgetDraft run folder -> its drafter, any other spec -> a loaded model; objects
+    pass through. Models land on the target's device and dtype."""
+    if not isinstance(draft, str):
+        return draft
+    if draft == "ngram":
+        return None
+    if draft.startswith("truncated:"):
+        return truncated_draft(target, int(draft.removeprefix("truncated:")))
+    if has_checkpoint(Path(draft)):
+        return load_drafter(draft, target.dtype, target.device)
+    from .weights import load_model
+    return load_model(draft, target.dtype, target.device)
+
+
+def _level1(draft: Transformer | Drafter | None, target: Transformer) -> Transformer | Drafter:
+    return NgramDrafter(target.cfg.vocab_size) if draft is None else draft
+
+
+Outcome = GenerationResult | SpecResult
+
+
+def run_ar(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig, opts: ArOptions,
+           eos: int | None) -> Outcome:
+    return generate(target, prompt, n, sampling, eos_token_id=eos)
+
+
+def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig, opts: SpecOptions,
+             eos: int | None) -> Outcome:
+    draft = load_draft(opts.draft, target)
+    if draft is None or isinstance(draft, Drafter):
+        drafter = _level1(draft, target)
+    elif opts.draft_cache == "budget":
+        drafter = BudgetDrafter.create(draft, opts.budget, prompt.shape[1] + n, opts.chunk_size)
+    elif opts.draft_cache == "streaming":
+        drafter = ModelDrafter(draft, StreamingCache(draft.cfg, opts.sink, opts.window, opts.gamma, dtype=draft.dtype,
+                                                     device=draft.device, rotary=draft.rotary,
+                                                     positions=opts.draft_positions))
+    else:
+        drafter = ModelDrafter(draft, draft.new_cache(prompt.shape[1] + n))
+    return speculative(target, drafter, prompt, n, opts.gamma, sampling, eos_token_id=eos)
+
+
+def run_budgetdraft(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
+                    opts: BudgetDraftOptions, eos: int | None) -> Outcome:
+    return run_spec(target, prompt, n, sampling,
+                    SpecOptions(opts.draft, "budget", opts.gamma, opts.budget, opts.chunk_size), eos)
+
+
+def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
+                  opts: RetrievalOptions, eos: int | None) -> Outcome:
+    return retrieval(target, prompt, n, sampling, gamma=opts.gamma, budget=opts.budget, chunk_size=opts.chunk_size,
+                     rebuild=opts.rebuild, group_reduce=opts.group_reduce, eos_token_id=eos)
+
+
+def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
+                 opts: TriforceOptions, eos: int | None) -> Outcome:
+    level1 = _level1(load_draft(opts.draft, target), target)
+    return triforce(target, level1, prompt, n, sampling, gamma1=opts.gamma1, gamma2=opts.gamma2, budget=opts.budget,
+                    chunk_size=opts.chunk_size, sink=opts.sink, window=opts.window, rebuild=opts.rebuild,
+                    group_reduce=opts.group_reduce, draft_positions=opts.draft_positions, eos_token_id=eos)
+
+
+@dataclass(frozen=True)
+class Method:
+    options: type  # frozen dataclass: fields are the method's options (CLI flags too), validated on construction
+    run: Callable[[Transformer, torch.Tensor, int, SamplingConfig, Any, int | None], Outcome]
+    help: str
+
+
+METHODS: dict[str, Method] = {
+    "ar": Method(ArOptions, run_ar, "plain autoregressive decoding (the baseline)"),
+    "spec": Method(SpecOptions, run_spec, "two-level speculative decoding: a draft proposes for the full target"),
+    "retrieval": Method(RetrievalOptions, run_retrieval, "the target over a retrieval cache drafts for itself"),
+    "triforce": Method(TriforceOptions, run_triforce, "TriForce: draft -> target + retrieval cache -> full target"),
+    "budgetdraft": Method(BudgetDraftOptions, run_budgetdraft,
+                          "BudgetDraft: a trained drafter over its budget cache drafts for the full target"),
+}
+
+
+def method_options(method: str, **options: Any) -> Any:
+    """The validated options object of ``method`` (unknown names and bad values fail here, before any work)."""
+    require(method in METHODS, f"unknown method {method!r}; choose one of {sorted(METHODS)}")
+    kind = METHODS[method].options
+    known = set(kind.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    require(not unknown, f"method {method!r} has no option(s) {unknown}; its options are {sorted(known) or 'none'}")
+    return kind(**options)
