@@ -197,8 +197,9 @@ def answer(template: str, **values: Any) -> str:
     return text
 
 
-PAPER_COLUMNS = ("key", "paper", "source", "metric", "value", "unit", "context", "budget", "hardware", "setting",
-                 "note")
+PAPER_COLUMNS = ("key", "paper", "source", "metric", "value", "unit", "context", "budget", "context_source",
+                 "budget_source", "hardware", "setting", "note")
+VALUE_SOURCES = ("paper", "triforce-code")  # where a row's context or budget is stated
 
 
 def paper_results(path: str | Path):
@@ -211,6 +212,13 @@ def paper_results(path: str | Path):
     missing = [c for c in PAPER_COLUMNS if c not in frame.columns]
     require(not missing, f"{path} lacks columns {missing}; expected {PAPER_COLUMNS}")
     require(frame.key.is_unique, f"{path}: the key column must be unique")
+    for column in ("context", "budget"):
+        source = frame[f"{column}_source"]
+        unsourced = frame.key[frame[column].notna() & ~source.isin(VALUE_SOURCES)].tolist()
+        require(not unsourced, f"{path}: rows {unsourced} give a {column} without {column}_source in "
+                               f"{VALUE_SOURCES}; state where the number is written or leave it blank")
+        orphan = frame.key[frame[column].isna() & source.notna()].tolist()
+        require(not orphan, f"{path}: rows {orphan} name a {column}_source for an empty {column}; clear it")
     return frame
 
 
