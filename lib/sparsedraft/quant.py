@@ -10,14 +10,9 @@ greedy losslessness is judged against the quantised target itself.
 
 CPU uses torch's fused ``_weight_int8pack_mm`` kernel; other devices multiply
 by the weights cast to the activation dtype and scale the output (the same
-arithmetic, unfused).
-
-Measured on the project's 2-core CPU (torch 2.13, SmolLM2-135M, random 8K KV
-cache): the fused kernel loses to plain fp32 -- one-token forward 141 ms vs
-94 ms, seven-token forward 456 ms vs 162 ms (it is tuned for a single row;
-at 256 rows it is ~40x slower than fp32 GEMM). So the lever does not pay on
-this machine; it stays for machines and kernels where it does
-(``bench spec --quant int8`` measures it).
+arithmetic, unfused). Whether the fused kernel beats fp32 depends on the CPU
+and the row count (it is tuned for one row); ``bench spec --quant int8``
+measures it against the fp32 baseline in one process.
 """
 
 from __future__ import annotations

@@ -97,8 +97,8 @@ def execute(run: NotebookRun, kernel: str = "python3", force: bool = False,
     """Run ``run`` unless it already finished (or ``force``); never raises on a failing cell.
 
     ``threads`` caps the kernel's CPU threads: on a machine shared with other
-    jobs, two OpenMP threads per process thrash (we measured decoding ten
-    times slower than with one).
+    jobs, several OpenMP threads per process contend for the same cores and
+    each waits at every parallel region.
     """
     import papermill
 
