@@ -1,19 +1,19 @@
-"""The cost model reproduces the seed's walkthroughs and its expectation matches simulation."""
+"""The cost model reproduces the hand-computed walkthroughs and its expectation matches simulation."""
 
 import random
 
 import pytest
 
-from sparsedraft.analysis.costmodel import (SEED_COSTS, HierarchySetup, LevelCosts, alpha_from_tokens_per_verify,
-                                            build_schedule, expected_tokens_per_verify, predict_ms_per_token,
-                                            predict_two_level, seed_collapse_schedule, seed_normal_schedule,
-                                            speedup_vs_context)
-from sparsedraft.analysis.profiles import HARDWARE, MODELS
+from sparsedraft.analysis.costmodel import (WALKTHROUGH_COSTS, HierarchySetup, LevelCosts,
+                                            alpha_from_tokens_per_verify, build_schedule, expected_tokens_per_verify,
+                                            predict_ms_per_token, predict_two_level, speedup_vs_context,
+                                            walkthrough_collapse_schedule, walkthrough_normal_schedule)
 from sparsedraft.errors import SparsedraftError
+from sparsedraft.roofline import HARDWARE, MODELS
 
 
-def test_seed_normal_walkthrough_is_100_7_ms_for_8_tokens():
-    s = seed_normal_schedule()
+def test_normal_walkthrough_is_100_7_ms_for_8_tokens():
+    s = walkthrough_normal_schedule()
     assert s.total_ms == pytest.approx(100.7, abs=1e-9)
     assert s.tokens == 8
     assert round(s.ms_per_token, 1) == 12.6
@@ -24,19 +24,19 @@ def test_seed_normal_walkthrough_is_100_7_ms_for_8_tokens():
     assert table.held.max() == 7  # level 2 overshoots gamma2 = 6 by one
 
 
-def test_seed_collapse_walkthrough_is_about_50_ms_per_token():
-    s = seed_collapse_schedule()
+def test_collapse_walkthrough_is_about_50_ms_per_token():
+    s = walkthrough_collapse_schedule()
     assert round(s.total_ms) == 145
     assert s.tokens == 3
     assert round(s.ms_per_token, -1) == 50  # 48.5 ms/token before the rebuild
-    with_rebuild = seed_collapse_schedule(rebuild_ms=10.0)
+    with_rebuild = walkthrough_collapse_schedule(rebuild_ms=10.0)
     assert with_rebuild.ms_per_token > 50
     assert with_rebuild.table().action.iloc[-1] == "rebuild"
     assert s.speedup < 1.2  # no better than vanilla in practice
 
 
 def test_all_accepted_iteration_needs_only_two_rounds():
-    s = build_schedule(SEED_COSTS, 2, 6, level2_accepted=(2, 2), level3_accepted=6)
+    s = build_schedule(WALKTHROUGH_COSTS, 2, 6, level2_accepted=(2, 2), level3_accepted=6)
     assert s.total_ms == pytest.approx(85.8)
     assert s.tokens == 7
 
@@ -49,7 +49,7 @@ def test_all_accepted_iteration_needs_only_two_rounds():
 ])
 def test_build_schedule_rejects_inconsistent_outcomes(level2, level3, fragment):
     with pytest.raises(SparsedraftError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
-        build_schedule(SEED_COSTS, 2, 6, level2, level3)
+        build_schedule(WALKTHROUGH_COSTS, 2, 6, level2, level3)
 
 
 def test_level_costs_validate():
@@ -71,8 +71,8 @@ def test_two_level_prediction():
 
 
 def test_three_level_prediction_with_perfect_acceptance_matches_schedule():
-    p = predict_ms_per_token(SEED_COSTS, 2, 6, alpha1=1.0, alpha2=1.0)
-    s = build_schedule(SEED_COSTS, 2, 6, (2, 2), 6)
+    p = predict_ms_per_token(WALKTHROUGH_COSTS, 2, 6, alpha1=1.0, alpha2=1.0)
+    s = build_schedule(WALKTHROUGH_COSTS, 2, 6, (2, 2), 6)
     assert p.ms_per_iteration == pytest.approx(s.total_ms)
     assert p.tokens_per_iteration == pytest.approx(s.tokens)
 
@@ -90,19 +90,19 @@ def _simulate(alpha1, alpha2, gamma1, gamma2, iterations, rng):
         a = 0
         while a < held and rng.random() < alpha2:
             a += 1
-        s = build_schedule(SEED_COSTS, gamma1, gamma2, rounds, a)
+        s = build_schedule(WALKTHROUGH_COSTS, gamma1, gamma2, rounds, a)
         ms, tokens = ms + s.total_ms, tokens + s.tokens
     return ms / tokens
 
 
 @pytest.mark.parametrize("alpha1, alpha2, gamma1, gamma2", [(0.7, 0.9, 2, 6), (0.4, 0.6, 3, 5)])
 def test_three_level_expectation_matches_simulated_schedules(alpha1, alpha2, gamma1, gamma2):
-    predicted = predict_ms_per_token(SEED_COSTS, gamma1, gamma2, alpha1, alpha2).ms_per_token
+    predicted = predict_ms_per_token(WALKTHROUGH_COSTS, gamma1, gamma2, alpha1, alpha2).ms_per_token
     simulated = _simulate(alpha1, alpha2, gamma1, gamma2, 3000, random.Random(0))
     assert simulated == pytest.approx(predicted, rel=0.03)
 
 
-def _simulate_capped(alpha1, alpha2, gamma1, gamma2, iterations, rng, costs=SEED_COSTS):
+def _simulate_capped(alpha1, alpha2, gamma1, gamma2, iterations, rng, costs=WALKTHROUGH_COSTS):
     """The library's rule: a round holding h tokens drafts min(gamma1, gamma2 - h - 1); level 3 checks gamma2."""
     ms = tokens = 0.0
     for _ in range(iterations):
@@ -124,12 +124,12 @@ def _simulate_capped(alpha1, alpha2, gamma1, gamma2, iterations, rng, costs=SEED
 
 @pytest.mark.parametrize("alpha1, alpha2, gamma1, gamma2", [(0.7, 0.9, 2, 6), (0.4, 0.6, 3, 5), (0.0, 0.8, 2, 6)])
 def test_capped_rule_expectation_matches_simulation_and_differs_from_overshoot(alpha1, alpha2, gamma1, gamma2):
-    capped = predict_ms_per_token(SEED_COSTS, gamma1, gamma2, alpha1, alpha2, overshoot=False)
+    capped = predict_ms_per_token(WALKTHROUGH_COSTS, gamma1, gamma2, alpha1, alpha2, overshoot=False)
     simulated = _simulate_capped(alpha1, alpha2, gamma1, gamma2, 3000, random.Random(1))
     assert simulated == pytest.approx(capped.ms_per_token, rel=0.03)
     assert capped.tokens_per_iteration == pytest.approx(expected_tokens_per_verify(alpha2, gamma2))
-    seed_rule = predict_ms_per_token(SEED_COSTS, gamma1, gamma2, alpha1, alpha2)
-    assert capped.ms_per_iteration < seed_rule.ms_per_iteration  # the last round drafts fewer tokens
+    overshoot_rule = predict_ms_per_token(WALKTHROUGH_COSTS, gamma1, gamma2, alpha1, alpha2)
+    assert capped.ms_per_iteration < overshoot_rule.ms_per_iteration  # the last round drafts fewer tokens
 
 
 def test_speedup_vs_context_rises_with_context():

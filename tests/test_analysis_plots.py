@@ -12,13 +12,13 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from sparsedraft.analysis import plots  # noqa: E402
 from sparsedraft.analysis.attention import LayerQK  # noqa: E402
-from sparsedraft.analysis.bottleneck import bytes_per_token_table, crossover_context, latency_table  # noqa: E402
-from sparsedraft.analysis.costmodel import (HierarchySetup, seed_collapse_schedule, seed_normal_schedule,  # noqa: E402
-                                            speedup_vs_context)
+from sparsedraft.analysis.costmodel import (HierarchySetup, speedup_vs_context,  # noqa: E402
+                                            walkthrough_collapse_schedule, walkthrough_normal_schedule)
 from sparsedraft.analysis.locality import LocalityConfig, layer_locality  # noqa: E402
-from sparsedraft.analysis.profiles import HARDWARE, MODELS  # noqa: E402
 from sparsedraft.analysis.sparsity import SparsityConfig, layer_recovery  # noqa: E402
 from sparsedraft.errors import SparsedraftError  # noqa: E402
+from sparsedraft.roofline import (HARDWARE, MODELS, bytes_per_token_table, crossover_context,  # noqa: E402
+                                  latency_table)
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def _qk() -> LayerQK:
 
 
 def test_cost_and_bottleneck_plots():
-    tables = {"normal": seed_normal_schedule().table(), "collapse": seed_collapse_schedule(5.0).table()}
+    tables = {"normal": walkthrough_normal_schedule().table(), "collapse": walkthrough_collapse_schedule(5.0).table()}
     assert isinstance(plots.plot_schedules(tables), Figure)
     cfg = MODELS["llama2-7b-128k"]
     speed = speedup_vs_context(cfg, MODELS["llama-68m"], HARDWARE["a100-80gb"], [4096, 32768, 131072],

@@ -108,6 +108,7 @@ def test_greedy_equals_autoregressive(models, decoder):
     for level in stats.levels:
         assert sum(level.histogram) == level.verifications
         assert level.accepted == sum(n * c for n, c in enumerate(level.histogram))
+        assert level.drafted == sum(g * sum(row) for g, row in level.rounds.items())
     if decoder in NEAR:  # reach the paths a random draft never does: whole drafts kept, bonus tokens
         assert stats.levels[-1].histogram[-1] > 0 and stats.tokens_per_iteration > 2
 
@@ -243,4 +244,5 @@ def test_level_stats_histogram_and_rates():
     level.record(4, 4)
     level.record(2, 0)
     assert level.histogram == [1, 0, 0, 0, 1] and level.acceptance_rate == pytest.approx(4 / 6)
+    assert level.rounds == {4: [0, 0, 0, 0, 1], 2: [1, 0, 0]}
     assert level.mean_accepted == 2 and level.to_dict()["verifications"] == 2

@@ -29,12 +29,11 @@ from typing import Any, Callable, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from .costs import bytes_per_token, kv_bytes, weight_bytes
 from .data import SPLITS, ByteTokenizer, prompt_tokens
 from .errors import SparsedraftError, require
 from .generate import GenerationResult, check_prompt, generate, prefill, synchronize
-from .hardware import MIB, measure_copy_bandwidth
 from .model import Transformer
+from .roofline import MIB, bytes_per_token, kv_bytes, measure_read_bandwidth, weight_bytes
 from .tiny import tiny_hf_config
 from .weights import load_config, load_model, load_tokenizer, resolve
 
@@ -70,7 +69,7 @@ class ArBenchConfig:
     split: str = field(default="all", metadata={"help": "essay split the prompt comes from",
                                                 "choices": SPLITS})
     variant: int = field(default=0, metadata={"help": "which prompt window of the corpus"})
-    copy_mib: int = field(default=256, metadata={"help": "MiB copied to measure memory bandwidth"})
+    read_mib: int = field(default=1024, metadata={"help": "MiB read to measure memory bandwidth (>= 1024)"})
 
     def __post_init__(self) -> None:
         require(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
@@ -83,7 +82,7 @@ class ArBenchConfig:
         require(2 <= self.verify_tokens <= self.context,
                 f"verify_tokens must be in [2, context={self.context}], got {self.verify_tokens}")
         require(self.variant >= 0, f"variant must be >= 0, got {self.variant}")
-        require(self.copy_mib > 0, f"copy_mib must be > 0, got {self.copy_mib}")
+        require(self.read_mib > 0, f"read_mib must be > 0, got {self.read_mib}")
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class EngineRow:
     decode_ms: float  # median time per decode forward
     tokens_per_s: float  # 1000 / decode_ms
     bandwidth_gbps: float  # bytes_per_token at the mean decode context / decode time
-    bandwidth_fraction: float  # of the measured copy bandwidth
+    bandwidth_fraction: float  # of the measured read bandwidth
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class ArBenchResult:
     config: ArBenchConfig
     device: str
     prompt_len: int
-    copy_bandwidth_gbps: float
+    read_bandwidth_gbps: float
     weight_bytes: int
     kv_bytes_at_context: int
     bytes_per_token: int  # at the mean decode context, context + new_tokens // 2
@@ -130,11 +129,11 @@ class ArBenchResult:
                 f"threads), prompt {self.prompt_len} "
                 f"tokens, {self.config.new_tokens} new tokens, median of {self.config.repeats}\n"
                 f"bytes/token {self.bytes_per_token / 1e6:.1f} MB (weights {self.weight_bytes / 1e6:.1f} MB, "
-                f"KV at prompt {self.kv_bytes_at_context / 1e6:.1f} MB); copy bandwidth "
-                f"{self.copy_bandwidth_gbps:.1f} GB/s\n")
+                f"KV at prompt {self.kv_bytes_at_context / 1e6:.1f} MB); read bandwidth "
+                f"{self.read_bandwidth_gbps:.1f} GB/s\n")
         rows = [[r.engine, f"{r.prefill_s:.3f}", f"{r.decode_ms:.2f}", f"{r.tokens_per_s:.1f}",
                  f"{r.bandwidth_gbps:.1f}", f"{100 * r.bandwidth_fraction:.0f}%"] for r in self.engines]
-        lines = [head + format_table(["engine", "prefill s", "decode ms/tok", "tok/s", "GB/s", "of copy"], rows)]
+        lines = [head + format_table(["engine", "prefill s", "decode ms/tok", "tok/s", "GB/s", "of read"], rows)]
         if self.hf_ms_over_ours is not None:
             lines.append(f"transformers ms / ours ms: {self.hf_ms_over_ours:.2f}x; greedy tokens "
                          f"{'match' if self.tokens_match else 'differ'} (first {self.matching_prefix} agree)")
@@ -205,11 +204,11 @@ def time_runs(run: Callable[[], GenerationResult], warmup: int, repeats: int,
     return results
 
 
-def engine_row(engine: str, runs: list[GenerationResult], bytes_read: int, copy_bandwidth: float) -> EngineRow:
+def engine_row(engine: str, runs: list[GenerationResult], bytes_read: int, read_bandwidth: float) -> EngineRow:
     decode_ms = statistics.median(1000 * r.decode_s / (r.tokens.shape[1] - 1) for r in runs)
     bandwidth = bytes_read / (decode_ms / 1000)
     return EngineRow(engine, statistics.median(r.prefill_s for r in runs), decode_ms, 1000 / decode_ms,
-                     bandwidth / GB, bandwidth / copy_bandwidth)
+                     bandwidth / GB, bandwidth / read_bandwidth)
 
 
 @torch.inference_mode()
@@ -257,12 +256,12 @@ def run_ar_bench(cfg: ArBenchConfig, progress: bool = False) -> ArBenchResult:
     prompt = bench_prompt(cfg.model, cfg.context, cfg.split, cfg.variant).to(device)
     check_prompt(model, prompt, cfg.new_tokens)
 
-    copy_bw = measure_copy_bandwidth(device, cfg.copy_mib * MIB)
+    read_bw = measure_read_bandwidth(device, cfg.read_mib * MIB)
     dtype_bytes = dtype.itemsize
     bytes_read = bytes_per_token(model.cfg, cfg.context + cfg.new_tokens // 2, dtype_bytes)
 
     ours = time_runs(lambda: generate(model, prompt, cfg.new_tokens), cfg.warmup, cfg.repeats, "ours", progress)
-    engines = [engine_row("sparsedraft", ours, bytes_read, copy_bw)]
+    engines = [engine_row("sparsedraft", ours, bytes_read, read_bw)]
     verify = time_verify(model, prompt, cfg.verify_tokens, cfg.new_tokens)
     ratio = match = prefix = None
     versions = {"torch": torch.__version__}
@@ -272,12 +271,12 @@ def run_ar_bench(cfg: ArBenchConfig, progress: bool = False) -> ArBenchResult:
         hf = load_hf_oracle(cfg.model, model, dtype, device)
         theirs = time_runs(lambda: hf_generate(hf, prompt, cfg.new_tokens), cfg.warmup, cfg.repeats,
                            "transformers", progress)
-        engines.append(engine_row("transformers", theirs, bytes_read, copy_bw))
+        engines.append(engine_row("transformers", theirs, bytes_read, read_bw))
         ratio = engines[1].decode_ms / engines[0].decode_ms
         prefix = matching_prefix(ours[-1].tokens, theirs[-1].tokens)
         match = prefix == cfg.new_tokens
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return ArBenchResult(cfg, device_name, prompt.shape[1], copy_bw / GB, weight_bytes(model.cfg, dtype_bytes),
+    return ArBenchResult(cfg, device_name, prompt.shape[1], read_bw / GB, weight_bytes(model.cfg, dtype_bytes),
                          kv_bytes(model.cfg, cfg.context, dtype_bytes), bytes_read, engines, verify, ratio,
                          match, prefix, versions)
 

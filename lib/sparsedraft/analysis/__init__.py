@@ -1,28 +1,34 @@
 """Analyses behind TriForce's three observations and its cost model (issue 5).
 
-- :mod:`.bottleneck`: bytes and FLOPs per token, weights vs KV (Obs. 1, Fig. 1).
+- :mod:`sparsedraft.roofline` (re-exported here): bytes and FLOPs per token,
+  weights vs KV, hardware profiles and ideal latency (Obs. 1, Fig. 1).
 - :mod:`.sparsity`: attention mass a KV budget recovers, per policy (Obs. 2).
 - :mod:`.locality`: how long a selection stays useful (Obs. 3).
-- :mod:`.costmodel`: ms/token of two- and three-level speculation, the seed's
-  walkthroughs as explicit schedules, and the speedup-vs-context bound.
+- :mod:`.costmodel`: ms/token of two- and three-level speculation, the
+  hand-computed walkthroughs as explicit schedules, and the speedup-vs-context
+  bound.
+- :mod:`.acceptance`: per-level acceptance rate fitted from per-round records,
+  and whether acceptance comes in bursts.
 - :mod:`.plots` (import it directly; it loads matplotlib): figures from the
   data frames above.
 """
 
-from .bottleneck import (bytes_per_token_table, crossover_context, fig1_table, flops_per_token_table,
-                         footprint_bytes, ideal_latency_ms, latency_table, parameter_count)
-from .costmodel import (SEED_COSTS, HierarchySetup, LevelCosts, Prediction, Schedule, Step, build_schedule,
+from ..roofline import (HARDWARE, MODELS, Hardware, bytes_per_token_table, crossover_context, fig1_table,
+                        flops_per_token_table, footprint_bytes, ideal_latency_ms, latency_table,
+                        measure_read_bandwidth, parameter_count, this_machine)
+from .acceptance import BurstinessTest, burstiness_test, fit_alpha
+from .costmodel import (WALKTHROUGH_COSTS, HierarchySetup, LevelCosts, Prediction, Schedule, Step, build_schedule,
                         expected_tokens_per_verify, measured_level_costs, predict_ms_per_token, predict_two_level,
-                        seed_collapse_schedule, seed_normal_schedule, speedup_vs_context)
+                        speedup_vs_context, walkthrough_collapse_schedule, walkthrough_normal_schedule)
 from .locality import LocalityConfig, LocalityResult, contextual_locality
-from .profiles import HARDWARE, MODELS, Hardware, this_machine
 from .sparsity import SparsityConfig, attention_recovery, last_positions, summarize_recovery
 
 __all__ = [
-    "HARDWARE", "MODELS", "SEED_COSTS", "Hardware", "HierarchySetup", "LevelCosts", "LocalityConfig",
-    "LocalityResult", "Prediction", "Schedule", "SparsityConfig", "Step", "attention_recovery", "build_schedule",
-    "bytes_per_token_table", "contextual_locality", "crossover_context", "expected_tokens_per_verify",
-    "fig1_table", "flops_per_token_table", "footprint_bytes", "ideal_latency_ms", "last_positions", "latency_table",
-    "measured_level_costs", "parameter_count", "predict_ms_per_token", "predict_two_level", "seed_collapse_schedule", "seed_normal_schedule",
-    "speedup_vs_context", "summarize_recovery", "this_machine",
+    "HARDWARE", "MODELS", "WALKTHROUGH_COSTS", "BurstinessTest", "Hardware", "HierarchySetup", "LevelCosts",
+    "LocalityConfig", "LocalityResult", "Prediction", "Schedule", "SparsityConfig", "Step", "attention_recovery",
+    "build_schedule", "burstiness_test", "bytes_per_token_table", "contextual_locality", "crossover_context",
+    "expected_tokens_per_verify", "fig1_table", "fit_alpha", "flops_per_token_table", "footprint_bytes",
+    "ideal_latency_ms", "last_positions", "latency_table", "measure_read_bandwidth", "measured_level_costs",
+    "parameter_count", "predict_ms_per_token", "predict_two_level", "speedup_vs_context", "summarize_recovery",
+    "this_machine", "walkthrough_collapse_schedule", "walkthrough_normal_schedule",
 ]

@@ -1,4 +1,4 @@
-"""Cost model of two- and three-level speculation, and the seed's walkthroughs.
+"""Cost model of two- and three-level speculation, and the hand-computed walkthroughs.
 
 Levels. Level 1 is the tiny draft (StreamingLLM cache), one forward per
 drafted token. Level 2 is the target on its retrieval cache: one forward
@@ -25,27 +25,27 @@ drafts, E[accepted + 1] = 1 + α + … + α^γ = (1 − α^(γ+1)) / (1 − α) 
 overshoot) and divides E[ms per iteration] by E[tokens per iteration]
 (renewal–reward: the long-run ms/token of repeated independent iterations).
 
-The seed's walkthroughs (γ1 = 2, γ2 = 6, costs 0.45 / 14 / 56 ms) give totals
-but no step list. With one level-3 verify per iteration,
-100.7 = 56 + 14·k2 + 0.45·k1 has the single whole-number solution k2 = 3,
-k1 = 6: three rounds of two drafts. Three rounds reach ≥ 6 held tokens only
-if the first two emit fewer than 6, so one round must stop at a rejection:
-emitted 3 + 1 + 3 = 7 held, all accepted at level 3 plus its bonus = 8
-tokens (:func:`seed_normal_schedule`). Had every draft passed, level 2 would
-hold 6 after two rounds: 85.8 ms for 7 tokens (12.3 ms/token). The collapse
-case (:func:`seed_collapse_schedule`): every round rejects its first draft, so
-six rounds (12 drafts, 6 verifies) fill γ2 = 6; stale retrieval makes level 3
-accept 2 of 6 and add a correction, 3 tokens; 12·0.45 + 6·14 + 56 = 145.4 ms
-plus a cache rebuild. Costs exclude retrieval, cache updates and kernel
-overheads (``overhead_ms`` adds them per iteration).
+The hand-computed walkthroughs (γ1 = 2, γ2 = 6, costs 0.45 / 14 / 56 ms, the
+paper's Fig. 1) give totals but no step list. With one level-3 verify per
+iteration, 100.7 = 56 + 14·k2 + 0.45·k1 has the single whole-number solution
+k2 = 3, k1 = 6: three rounds of two drafts. Three rounds reach ≥ 6 held tokens
+only if the first two emit fewer than 6, so one round must stop at a
+rejection: emitted 3 + 1 + 3 = 7 held, all accepted at level 3 plus its bonus
+= 8 tokens (:func:`walkthrough_normal_schedule`). Had every draft passed,
+level 2 would hold 6 after two rounds: 85.8 ms for 7 tokens (12.3 ms/token).
+The collapse case (:func:`walkthrough_collapse_schedule`): every round rejects
+its first draft, so six rounds (12 drafts, 6 verifies) fill γ2 = 6; stale
+retrieval makes level 3 accept 2 of 6 and add a correction, 3 tokens;
+12·0.45 + 6·14 + 56 = 145.4 ms plus a cache rebuild. Costs exclude retrieval,
+cache updates and kernel overheads (``overhead_ms`` adds them per iteration).
 
 Scaling with context (Fig. 5 style, :func:`speedup_vs_context`): each level's
-cost is its ideal read time (:mod:`.bottleneck`): the tiny draft reads its
-weights and a fixed StreamingLLM cache, the retrieval level the target's
-weights and a fixed budget of KV, the full level the target's weights and the
-whole context. Acceptance rates are held fixed across context, so the bound
-rises with context only because the full target slows down while the drafts
-do not.
+cost is its ideal read time (:mod:`sparsedraft.roofline`): the tiny draft
+reads its weights and a fixed StreamingLLM cache, the retrieval level the
+target's weights and a fixed budget of KV, the full level the target's
+weights and the whole context. Acceptance rates are held fixed across
+context, so the bound rises with context only because the full target slows
+down while the drafts do not.
 """
 
 from __future__ import annotations
@@ -58,9 +58,7 @@ import pandas as pd
 
 from ..config import ModelConfig
 from ..errors import require
-from ..costs import kv_bytes, weight_bytes
-from .bottleneck import ideal_latency_ms
-from .profiles import Hardware
+from ..roofline import Hardware, bytes_per_token, ideal_latency_ms
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ class LevelCosts:
             require(math.isfinite(value) and value > 0, f"LevelCosts.{name} must be a positive ms value, got {value}")
 
 
-SEED_COSTS = LevelCosts(draft_ms=0.45, retrieval_ms=14.0, target_ms=56.0)  # the paper's Fig. 1
+WALKTHROUGH_COSTS = LevelCosts(draft_ms=0.45, retrieval_ms=14.0, target_ms=56.0)  # the paper's Fig. 1
 LEVEL_NAMES = {1: "tiny draft", 2: "retrieval target", 3: "full target", 0: "cache rebuild"}
 
 
@@ -170,13 +168,13 @@ def build_schedule(costs: LevelCosts, gamma1: int, gamma2: int, level2_accepted:
     return Schedule(name, gamma1, gamma2, tuple(steps), costs.target_ms)
 
 
-def seed_normal_schedule(costs: LevelCosts = SEED_COSTS) -> Schedule:
-    """The seed's normal case: 100.7 ms for 8 tokens (one level-2 rejection, level 3 accepts all)."""
+def walkthrough_normal_schedule(costs: LevelCosts = WALKTHROUGH_COSTS) -> Schedule:
+    """The walkthrough's normal case: 100.7 ms for 8 tokens (one level-2 rejection, level 3 accepts all)."""
     return build_schedule(costs, 2, 6, level2_accepted=(2, 0, 2), level3_accepted=7, name="normal")
 
 
-def seed_collapse_schedule(rebuild_ms: float = 0.0, costs: LevelCosts = SEED_COSTS) -> Schedule:
-    """The seed's collapse case: 145.4 ms + ``rebuild_ms`` for 3 tokens (locality broken)."""
+def walkthrough_collapse_schedule(rebuild_ms: float = 0.0, costs: LevelCosts = WALKTHROUGH_COSTS) -> Schedule:
+    """The walkthrough's collapse case: 145.4 ms + ``rebuild_ms`` for 3 tokens (locality broken)."""
     return build_schedule(costs, 2, 6, level2_accepted=(0,) * 6, level3_accepted=2,
                           rebuild_ms=rebuild_ms, name="collapse")
 
@@ -312,8 +310,7 @@ def level_costs(target: ModelConfig, draft: ModelConfig, hardware: Hardware, con
                 setup: HierarchySetup) -> LevelCosts:
     """Ideal per-forward ms of the three levels at one context length."""
     def read_ms(cfg: ModelConfig, cached: int) -> float:
-        return ideal_latency_ms(weight_bytes(cfg, setup.dtype_bytes) + kv_bytes(cfg, cached, setup.dtype_bytes),
-                                hardware)
+        return ideal_latency_ms(bytes_per_token(cfg, cached, setup.dtype_bytes), hardware)
     return LevelCosts(draft_ms=read_ms(draft, min(setup.draft_budget, context)),
                       retrieval_ms=read_ms(target, min(setup.retrieval_budget, context)),
                       target_ms=read_ms(target, context))

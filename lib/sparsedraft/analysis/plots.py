@@ -27,7 +27,8 @@ def _need(frame: pd.DataFrame, columns: list[str], producer: str) -> None:
 
 def plot_schedules(tables: Mapping[str, pd.DataFrame]) -> Figure:
     """Timeline of each iteration (``Schedule.table()`` by name): one bar segment per step, coloured by level."""
-    require(len(tables) > 0, "pass at least one schedule table, e.g. {'normal': seed_normal_schedule().table()}")
+    require(len(tables) > 0,
+            "pass at least one schedule table, e.g. {'normal': walkthrough_normal_schedule().table()}")
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(tables)))
     for row, (name, table) in enumerate(tables.items()):
         _need(table, ["level", "ms", "clock_ms", "emitted"], "Schedule.table()")

@@ -25,23 +25,34 @@ from ..generate import synchronize
 class LevelStats:
     """One verifier level: how many draft tokens it saw and kept.
 
-    ``histogram[n]`` counts verifications that kept exactly n draft tokens, so
-    its length is the largest draft length + 1.
+    ``rounds[g][n]`` counts verifications of g drafts that kept exactly n of
+    them. Keeping the draft length matters: a round capped below γ (the last
+    round before level 3, or the end of generation) cannot accept more than it
+    drafted, and a fit of the acceptance rate that ignores this is biased (see
+    :func:`sparsedraft.analysis.fit_alpha`).
     """
 
     name: str
     drafted: int = 0
     accepted: int = 0
     verifications: int = 0  # forwards of this level's verifier
-    histogram: list[int] = field(default_factory=list)
+    rounds: dict[int, list[int]] = field(default_factory=dict)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
         self.verifications += 1
-        if len(self.histogram) <= drafted:
-            self.histogram.extend([0] * (drafted + 1 - len(self.histogram)))
-        self.histogram[accepted] += 1
+        self.rounds.setdefault(drafted, [0] * (drafted + 1))[accepted] += 1
+
+    @property
+    def histogram(self) -> list[int]:
+        """``histogram[n]``: verifications that kept exactly n drafts, whatever they drafted
+        (length: the largest draft length + 1)."""
+        counts = [0] * (max(self.rounds, default=-1) + 1)
+        for row in self.rounds.values():
+            for n, c in enumerate(row):
+                counts[n] += c
+        return counts
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,7 +67,8 @@ class LevelStats:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "drafted": self.drafted, "accepted": self.accepted,
                 "verifications": self.verifications, "acceptance_rate": self.acceptance_rate,
-                "mean_accepted": self.mean_accepted, "histogram": list(self.histogram)}
+                "mean_accepted": self.mean_accepted, "histogram": self.histogram,
+                "rounds": {g: list(row) for g, row in sorted(self.rounds.items())}}
 
 
 class Stopwatch:

@@ -1,15 +1,14 @@
-"""Byte and FLOP formulas against real buffers, hand counts and the paper's Fig. 1."""
+"""Roofline: byte and FLOP formulas against real buffers, hand counts and the paper's Fig. 1; read bandwidth."""
 
 import math
 
 import pytest
 
-from sparsedraft.analysis.bottleneck import (attention_flops, bytes_per_token_table, crossover_context,
-                                             fig1_table, flops_per_token_table, footprint_bytes,
-                                             ideal_latency_ms, latency_table, parameter_count, weight_flops)
-from sparsedraft.analysis.profiles import HARDWARE, MODELS, Hardware, this_machine
-from sparsedraft.costs import kv_bytes, weight_bytes
 from sparsedraft.errors import SparsedraftError
+from sparsedraft.roofline import (HARDWARE, MODELS, Hardware, attention_flops, bytes_per_token, bytes_per_token_table,
+                                  crossover_context, fig1_table, flops_per_token_table, footprint_bytes,
+                                  ideal_latency_ms, kv_bytes, latency_table, measure_read_bandwidth, parameter_count,
+                                  this_machine, weight_bytes, weight_flops, weight_params_read)
 from sparsedraft.tiny import TINY_CONFIGS, tiny_model
 
 
@@ -20,6 +19,22 @@ def test_parameter_count_and_kv_bytes_match_real_buffers(family):
     cache = model.new_cache(37)
     buffers = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
     assert kv_bytes(model.cfg, 37, dtype_bytes=4) == buffers
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_weight_params_read_are_the_model_minus_the_embedding_lookup(family):
+    model = tiny_model(family)
+    total = sum(p.numel() for p in model.parameters())  # a tied head is counted once
+    embedding = 0 if model.cfg.tie_word_embeddings else model.embed_tokens.weight.numel()
+    assert weight_params_read(model.cfg) == total - embedding
+    assert weight_bytes(model.cfg, 2) == 2 * (total - embedding)
+    assert bytes_per_token(model.cfg, 37, 4) == weight_bytes(model.cfg, 4) + kv_bytes(model.cfg, 37, 4)
+
+
+def test_read_bandwidth_is_positive_and_validated():
+    assert measure_read_bandwidth("cpu", nbytes=1 << 16, repeats=2) > 0
+    with pytest.raises(SparsedraftError, match="nbytes"):
+        measure_read_bandwidth("cpu", nbytes=0)
 
 
 def test_tiny_llama_hand_counts():
