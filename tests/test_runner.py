@@ -157,6 +157,7 @@ def test_run_id_is_profile_plus_parameter_hash(lab):
     ("x = 1", True, ["output_dir"]),
     ('output_dir = ""', False, ["exactly one cell"]),
     ('output_dir = "', True, ["not valid Python"]),
+    ('output_dir = ""\nsize = 4  # bytes (>= 4)', True, ["papermill cannot parse", "size"]),
 ])
 def test_parameters_cell_rules(tmp_path, parameters, tag, words):
     path = write_notebook(tmp_path / "01_x.ipynb", parameters, tag=tag)

@@ -140,7 +140,25 @@ def notebook_defaults(path: Path) -> dict[str, Any]:
             raise SparsedraftError(f"{path.name}: parameter {name} must be a Python literal") from exc
     require(OUTPUT_DIR_PARAM in values,
             f"{path.name}: the parameters cell must declare {OUTPUT_DIR_PARAM} = '' (the runner fills it)")
+    unparsed = sorted(set(values) - set(_papermill_parameters(path)))
+    require(not unparsed, f"{path.name}: papermill cannot parse the parameter line(s) of {unparsed}, so it would "
+                          "pass their values as unknown and the notebook would keep its defaults; simplify the "
+                          "line's comment (papermill rejects some characters there, e.g. '>=')")
     return values
+
+
+def _papermill_parameters(path: Path) -> list[str]:
+    """The parameter names papermill itself reads from the notebook (its parser is stricter than Python's)."""
+    import logging
+
+    import papermill
+    logger = logging.getLogger("papermill")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its own warning names the line; ours says what follows from it
+    try:
+        return list(papermill.inspect_notebook(str(path)))
+    finally:
+        logger.setLevel(level)
 
 
 def discover(notebooks_dir: Path) -> list[Path]:
