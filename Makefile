@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 PROFILE ?= cpu
 # torch threads per notebook kernel (0 = torch's default; 1 helps on a shared machine)
 THREADS ?= 0
+# `make bench BENCH="triforce --context 4000 --budget 512"` runs any bench (`python -m sparsedraft bench -h`).
+# The default times our AR decode against transformers on SmolLM2 at 2K: a few minutes on a 2-core CPU.
+BENCH ?= ar --context 2000 --new-tokens 32
 
 .PHONY: install test test-fast reproduce bench clean
 
@@ -30,10 +33,10 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 reproduce: install
-	$(BIN)/python -m sparsedraft.run --profile $(PROFILE) $(if $(filter-out 0,$(THREADS)),--threads $(THREADS))
+	$(BIN)/python -m sparsedraft run --profile $(PROFILE) $(if $(filter-out 0,$(THREADS)),--threads $(THREADS))
 
 bench: install
-	$(BIN)/python -m sparsedraft bench
+	$(BIN)/python -m sparsedraft bench $(BENCH)
 
 clean:
 	rm -rf $(VENV) outputs/*/

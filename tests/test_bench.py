@@ -1,18 +1,28 @@
-"""Benchmark plumbing on tiny models: rows and the CLI's last-line JSON contract."""
+"""The ``ar`` benchmark and the bench CLI on tiny models: cost formulas, returned values, the last-line
+JSON contract, and bad input refused before any model loads."""
 
 import json
-import subprocess
-import sys
+import time
 
 import pytest
 import torch
 
+import sparsedraft.weights
+from sparsedraft import METHODS
 from sparsedraft.__main__ import main
-from sparsedraft.bench import (BENCHES, ArBenchConfig, format_table, matching_prefix, resolve_device,
-                               run_ar_bench)
+from sparsedraft.bench import BENCHES, ArBenchConfig, CompareConfig, compare, run_ar_bench
+from sparsedraft.bench.ar import matching_prefix
 from sparsedraft.errors import SparsedraftError
+from sparsedraft.model import Transformer
+from sparsedraft.report import format_table
+from sparsedraft.roofline import bytes_per_token, kv_bytes, weight_bytes
+from sparsedraft.runtime import resolve_device
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = dict(model="tiny-llama", device="cpu", context=48, new_tokens=4, warmup=0, repeats=1, read_mib=1)
+SHARED = ["--model", "tiny-llama", "--device", "cpu", "--warmup", "0", "--repeats", "1"]
 
 
 @pytest.mark.parametrize("bad, match", [(dict(new_tokens=1), "new_tokens"), (dict(dtype="int8"), "dtype"),
@@ -23,34 +33,28 @@ def test_config_validation(bad, match):
         ArBenchConfig(**{**TINY, **bad})
 
 
-def test_context_beyond_the_model_fails_before_timing():
-    with pytest.raises(SparsedraftError, match="maximum context"):
-        run_ar_bench(ArBenchConfig(**{**TINY, "context": 2046}))
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_request_without_cuda():
     with pytest.raises(SparsedraftError, match="CUDA is not available"):
         resolve_device("cuda")
 
 
-def test_ar_bench_without_transformers():
-    result = run_ar_bench(ArBenchConfig(**TINY, hf=False))
-    assert [r.engine for r in result.engines] == ["sparsedraft"]
-    assert result.hf_ms_over_ours is None and result.tokens_match is None
-    assert result.prompt_len == 48 and result.verify.tokens == 7 and result.verify.context == 48
-    row = result.engines[0]
-    assert row.decode_ms > 0 and row.tokens_per_s == pytest.approx(1000 / row.decode_ms)
-    assert row.bandwidth_gbps * 1e9 == pytest.approx(result.bytes_per_token / (row.decode_ms / 1000))
-    json.dumps(result.to_dict())
-    assert "sparsedraft" in result.table()
-
-
-def test_ar_bench_against_transformers_agrees_token_for_token():
+def test_ar_bench_returns_consistent_rows():
     result = run_ar_bench(ArBenchConfig(**TINY, hf=True))
+    cfg = sparsedraft.weights.load_config("tiny-llama")
     assert [r.engine for r in result.engines] == ["sparsedraft", "transformers"]
-    assert result.tokens_match and result.matching_prefix == 4
-    assert result.hf_ms_over_ours == pytest.approx(result.engines[1].decode_ms / result.engines[0].decode_ms)
+    assert result.prompt_len == 48 and result.tokens_match and result.matching_prefix == 4
+    assert result.bytes_per_token == bytes_per_token(cfg, 48 + 4 // 2, 4)
+    assert result.weight_bytes == weight_bytes(cfg, 4) and result.kv_bytes_at_context == kv_bytes(cfg, 48, 4)
+    for row in result.engines:
+        assert row.prefill_s > 0 and row.ms_per_token > 0
+        assert row.tokens_per_s == pytest.approx(1000 / row.ms_per_token)
+        assert row.bandwidth_gbps * 1e9 == pytest.approx(result.bytes_per_token / (row.ms_per_token / 1000))
+        assert row.bandwidth_fraction == pytest.approx(row.bandwidth_gbps / result.read_bandwidth_gbps)
+    assert result.hf_ms_over_ours == pytest.approx(result.engines[1].ms_per_token / result.engines[0].ms_per_token)
+    v = result.verify
+    assert (v.tokens, v.context) == (7, 48) and v.decode1_ms > 0 and v.verify_ms > 0
+    assert v.cost_ratio == pytest.approx(v.verify_ms / v.decode1_ms)
     assert "transformers" in result.to_dict()["versions"]
 
 
@@ -60,25 +64,85 @@ def test_matching_prefix_and_table():
     assert format_table(["a", "bb"], [["1", "2"]]).splitlines() == ["a  bb", "1   2"]
 
 
-def test_cli_prints_json_as_last_line():
-    args = ["bench", "ar", "--model", "tiny-llama", "--device", "cpu", "--context", "32", "--new-tokens", "3",
-            "--warmup", "0", "--repeats", "1", "--no-hf", "--read-mib", "1"]
-    proc = subprocess.run([sys.executable, "-m", "sparsedraft", *args], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
+def test_ar_cli_prints_the_table_then_the_same_numbers_as_json(capsys):
+    assert main(["bench", "ar", *SHARED, "--context", "32", "--new-tokens", "3", "--no-hf", "--read-mib", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     record = json.loads(lines[-1])
     assert record["bench"] == "ar" and record["config"]["context"] == 32 and record["config"]["hf"] is False
-    assert {"engines", "verify", "read_bandwidth_gbps", "bytes_per_token"} <= record.keys()
-    assert len(lines) > 1  # the human table comes first
+    [engine] = record["engines"]
+    assert engine["engine"] == "sparsedraft" and engine["ms_per_token"] > 0
+    assert f"{engine['ms_per_token']:.2f}" in "\n".join(lines[:-1])
 
 
-def test_cli_reports_user_errors_in_one_line(capsys):
-    assert main(["bench", "ar", "--model", "tiny-llama", "--new-tokens", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: new_tokens must be >= 2")
+def test_method_cli_builds_one_method_with_its_options(capsys):
+    assert main(["bench", "retrieval", *SHARED, "--context", "120", "--new-tokens", "6", "--budget", "32",
+                 "--gamma", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    record = json.loads(lines[-1])
+    assert record["bench"] == "compare" and record["config"]["methods"][0][0] == "retrieval"
+    ar, method = record["rows"]
+    assert (ar["method"], method["method"]) == ("ar", "retrieval")
+    assert method["options"]["budget"] == 32 and method["options"]["gamma"] == 2
+    assert ar["speedup"] == 1.0 and method["tokens_match"] is True
+    assert method["speedup"] == pytest.approx(ar["ms_per_token"] / method["ms_per_token"])
+    table = "\n".join(lines[:-1])
+    assert f"{method['ms_per_token']:.2f}" in table and f"{method['speedup']:.2f}x" in table
 
 
-def test_every_bench_config_has_cli_defaults():
+def test_every_method_is_a_bench_and_every_bench_runs_on_defaults():
+    assert set(BENCHES) == {"ar"} | set(METHODS)
     for bench in BENCHES.values():
         bench.config()  # defaults alone must validate, so the CLI works without options
+
+
+BAD_INPUT = [  # bench, flags, what the one error line says
+    ("ar", ["--context", "2046"], "maximum context"),
+    ("ar", ["--new-tokens", "1"], "new_tokens must be >= 2"),
+    ("spec", ["--gamma", "0"], "gamma"),
+    ("spec", ["--draft", "no-such-model"], "no-such-model"),
+    ("spec", ["--draft", "truncated:9"], "1 <= K"),
+    ("retrieval", ["--budget", "7"], "multiple of chunk_size"),
+    ("retrieval", ["--budget", "256"], "smaller than the cached context"),
+    ("triforce", ["--budget", "7", "--context", "2000"], "multiple of chunk_size"),
+    ("triforce", ["--context", "2040", "--new-tokens", "16"], "maximum context"),
+    ("budgetdraft", ["--draft", "outputs/no/such/run"], "is not ngram, truncated:K"),
+    ("budgetdraft", ["--draft", "truncated:1", "--budget", "512"], "smaller than the cached context"),
+]
+
+
+@pytest.fixture
+def nothing_heavy(monkeypatch):
+    """Loading a model or running a forward fails the test: bad input must be refused before either."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model loaded or a forward ran before the input was checked")
+    monkeypatch.setattr(sparsedraft.weights, "load_model", refuse)
+    monkeypatch.setattr(Transformer, "forward", refuse)
+
+
+def _flags(bench: str, flags: list[str]) -> list[str]:
+    defaults = ["--context", "200", "--new-tokens", "8"] if "--context" not in flags else ["--new-tokens", "8"]
+    return ["bench", bench, "--model", "tiny-llama", "--device", "cpu", *defaults, *flags]
+
+
+@pytest.mark.parametrize("bench, flags, words", BAD_INPUT)
+def test_bad_input_fails_fast_through_the_cli(nothing_heavy, capsys, bench, flags, words):
+    start = time.perf_counter()
+    assert main(_flags(bench, flags)) == 2
+    assert time.perf_counter() - start < 1.0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0]
+
+
+@pytest.mark.parametrize("bench, flags, words", BAD_INPUT)
+def test_bad_input_fails_fast_from_python(nothing_heavy, bench, flags, words):
+    values = dict(zip((f.lstrip("-").replace("-", "_") for f in flags[::2]), flags[1::2]))
+    values = {k: int(v) if v.isdigit() else v for k, v in values.items()}
+    common = dict(model="tiny-llama", device="cpu", context=200, new_tokens=8, warmup=0)
+    common.update({k: values.pop(k) for k in ("context", "new_tokens") if k in values})
+    start = time.perf_counter()
+    with pytest.raises(SparsedraftError, match=words.replace("(", r"\(")):
+        if bench == "ar":
+            run_ar_bench(ArBenchConfig(**common, **values))
+        else:
+            compare(CompareConfig(**common, methods=((bench, values),)))
+    assert time.perf_counter() - start < 1.0

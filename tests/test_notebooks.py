@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from sparsedraft.run import main
+from sparsedraft.__main__ import main
 from sparsedraft.runner.config import discover
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +27,8 @@ RESULT_NUMBER = re.compile(r"\d+(\.\d+)?\s*(%|×|ms\b|GB\b|s/token)|\b\d+\.\d+\b
 def quick_run(tmp_path_factory):
     outputs = tmp_path_factory.mktemp("outputs")
     # One thread per kernel: test machines are shared, and two OpenMP threads per process then thrash.
-    status = main(["--profile", "quick", "--notebooks", str(NOTEBOOKS), "--outputs", str(outputs), "--threads", "1"])
+    status = main(["run", "--profile", "quick", "--notebooks", str(NOTEBOOKS), "--outputs", str(outputs),
+                   "--threads", "1"])
     return status, outputs
 
 

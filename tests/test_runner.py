@@ -15,7 +15,7 @@ import torch
 
 from sparsedraft import report
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.run import main
+from sparsedraft.__main__ import main
 from sparsedraft.runner import RunConfig, execute, latest_results, plan, run_id, write_index
 from sparsedraft.runner.config import notebook_defaults
 from sparsedraft.runner.execute import RUN_FILE, notebook_digest
@@ -242,7 +242,8 @@ def test_a_summary_notebook_reruns_whenever_another_notebook_ran(lab, monkeypatc
     nb.metadata["sparsedraft"] = {"reads_outputs": True}
     nbformat.write(nb, summary)
     calls = fake_papermill(monkeypatch)
-    args = ["--profile", "test", "--notebooks", str(books), "--outputs", str(lab / "outputs"), "--only", "01,03"]
+    args = ["run", "--profile", "test", "--notebooks", str(books), "--outputs", str(lab / "outputs"),
+            "--only", "01,03"]
     assert main(args) == 0 and len(calls) == 2
     assert main(args) == 0 and len(calls) == 2  # nothing changed: both skipped
     write_notebook(books / "01_trivial.ipynb", 'output_dir = ""\nx = 1\nscale = 0.5\nname = "a"\nitems = [1, 2]\n'
@@ -256,7 +257,7 @@ def test_index_of_an_empty_folder(tmp_path):
 
 
 def test_end_to_end_with_a_real_kernel(lab, capsys):
-    args = ["--profile", "test", "--notebooks", str(lab / "notebooks"), "--outputs", str(lab / "outputs"),
+    args = ["run", "--profile", "test", "--notebooks", str(lab / "notebooks"), "--outputs", str(lab / "outputs"),
             "--only", "01", "-p", "01.x=21"]
     assert main(args) == 0
     folder = next((lab / "outputs" / "01_trivial").iterdir())
@@ -281,7 +282,7 @@ def test_threads_reach_the_kernel_environment_only_during_the_run(lab, monkeypat
 
 
 def test_cli_reports_configuration_errors(lab, capsys):
-    assert main(["--profile", "test", "--notebooks", str(lab / "notebooks"), "-p", "nope=1"]) == 2
+    assert main(["run", "--profile", "test", "--notebooks", str(lab / "notebooks"), "-p", "nope=1"]) == 2
     assert "error:" in capsys.readouterr().err
 
 

@@ -1,12 +1,16 @@
 """Command line: ``python -m sparsedraft <command> ...`` (also installed as ``sparsedraft``).
 
-Commands live in :data:`COMMANDS` (name -> how to add its parser, how to run
-it). ``bench <method>`` takes its options from the method's config dataclass
-(see :data:`sparsedraft.bench.BENCHES`): each field becomes ``--field-name``,
-booleans get ``--name/--no-name``, and the dataclass validates the values.
-A benchmark prints its human table, then one JSON object as the last line of
-stdout; progress bars go to stderr. A :class:`SparsedraftError` prints as one
-``error:`` line on stderr with exit status 2.
+Commands live in :data:`COMMANDS` (name -> help, how to add its parser, how to
+run it). ``bench <name>`` covers every bench in
+:data:`sparsedraft.bench.BENCHES`: ``ar`` and each decoding method, whose
+flags come from its options dataclass plus the shared
+:class:`~sparsedraft.bench.CompareConfig` fields (each field becomes
+``--field-name``, booleans get ``--name/--no-name``; the dataclasses validate
+the values before any model loads). A benchmark prints its human table, then
+one JSON object as the last line of stdout; progress bars go to stderr.
+``train-drafter`` trains a BudgetDraft drafter; ``run`` executes the
+notebooks. A :class:`SparsedraftError` prints as one ``error:`` line on
+stderr with exit status 2.
 """
 
 from __future__ import annotations
@@ -16,40 +20,42 @@ import json
 import sys
 from typing import Callable
 
-from .bench import BENCHES as AR_BENCHES
-from .bench import Bench
-from .bench_spec import DECODERS, SpecBenchConfig, run_spec_bench
+from .bench import BENCHES
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
-from .cliopts import add_config_options, config_from_args
+from .cliopts import add_config_options, config_from_args, values_from_args
 from .errors import SparsedraftError
-
-# `bench spec|retrieval|triforce` share one config; the method name sets its decoder.
-BENCHES: dict[str, Bench] = {**AR_BENCHES, **{
-    name: Bench(SpecBenchConfig, run_spec_bench, f"{name} decoding vs AR in one process: speedup, "
-                                                 "per-level acceptance and time")
-    for name in DECODERS}}
+from .methods import METHODS
+from .runner.cli import HELP as RUN_HELP
+from .runner.cli import add_run_parser, run_notebooks
 
 
 def add_bench_parser(parser: argparse.ArgumentParser) -> None:
-    methods = parser.add_subparsers(dest="method", required=True, metavar="method")
+    benches = parser.add_subparsers(dest="bench", required=True, metavar="bench")
     for name, bench in BENCHES.items():
-        sub = methods.add_parser(name, help=bench.help, description=bench.help)
+        sub = benches.add_parser(name, help=bench.help, description=bench.help)
         add_config_options(sub, bench.config)
-        if name in DECODERS:
-            sub.set_defaults(decoder=name)
+        if bench.method is not None:
+            add_config_options(sub.add_argument_group(f"{name} options"), METHODS[bench.method].options)
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    bench = BENCHES[args.method]
-    result = bench.run(config_from_args(bench.config, args), True)
+    bench = BENCHES[args.bench]
+    if bench.method is None:
+        config = config_from_args(bench.config, args)
+    else:
+        options = values_from_args(METHODS[bench.method].options, args)
+        config = config_from_args(bench.config, args, methods=((bench.method, options),))
+    result = bench.run(config, True)
     print(result.table())
     print(json.dumps(result.to_dict()))
 
 
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], None]]] = {
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int | None]]
+COMMANDS: dict[str, Command] = {
     "bench": ("time decoding methods; prints a table, then one JSON line", add_bench_parser, run_bench),
     "train-drafter": (TRAIN_HELP, add_train_parser, run_train_drafter),
+    "run": (RUN_HELP, add_run_parser, run_notebooks),
 }
 
 
@@ -60,11 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         add_parser(commands.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
     try:
-        COMMANDS[args.command][2](args)
+        return COMMANDS[args.command][2](args) or 0
     except SparsedraftError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Command-line options derived from a config dataclass, so every command validates in one place.
 
 Each field becomes ``--field-name`` typed and defaulted from the field;
-booleans get ``--name/--no-name``, tuples take several values. The dataclass's
-own ``__post_init__`` then validates the values.
+booleans get ``--name/--no-name``, tuples take several values. A field whose
+metadata says ``cli=False`` (a value no flag can spell, such as a list of
+methods with their options) gets no flag; the command supplies it. The
+dataclass's own ``__post_init__`` then validates the values.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import typing
 from typing import Any
 
 
+def _flagged(config: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(config) if f.metadata.get("cli", True)]
+
+
 def add_config_options(parser: argparse.ArgumentParser, config: type) -> None:
     """One ``--option`` per dataclass field."""
     hints = typing.get_type_hints(config)
-    for f in dataclasses.fields(config):
+    for f in _flagged(config):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
@@ -31,7 +37,12 @@ def add_config_options(parser: argparse.ArgumentParser, config: type) -> None:
                                 choices=f.metadata.get("choices"), help=help_text)
 
 
-def config_from_args(config: type, args: argparse.Namespace) -> Any:
-    """Build ``config`` from parsed options (lists from ``nargs`` become tuples)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config)}
-    return config(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+def values_from_args(config: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The flagged fields of ``config`` as parsed (lists from ``nargs`` become tuples)."""
+    values = {f.name: getattr(args, f.name) for f in _flagged(config)}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
+
+def config_from_args(config: type, args: argparse.Namespace, **unflagged: Any) -> Any:
+    """Build ``config`` from parsed options plus the values of fields that have no flag."""
+    return config(**values_from_args(config, args), **unflagged)

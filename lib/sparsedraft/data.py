@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from .errors import SparsedraftError, require
+from .weights import load_tokenizer, resolve
 
 SPLITS = ("all", "train", "heldout")
 HELDOUT_EVERY = 5  # essay i (in sorted order) is held out when i % HELDOUT_EVERY == HELDOUT_EVERY - 1
@@ -137,6 +138,17 @@ def prompt_tokens(tokenizer: Tokenizer, n_tokens: int, offset: int = 0, split: s
             f"tokenizer); ask for at most {size} tokens or use a larger split ('all' is largest)")
     start = (offset + variant * n_tokens) % size
     return corpus.roll(-start)[:n_tokens]
+
+
+def model_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer of the model named ``spec``: UTF-8 bytes for the tiny random models (they have no
+    vocabulary of their own), else the one stored with the weights."""
+    return ByteTokenizer() if isinstance(resolve(spec), str) else load_tokenizer(spec)
+
+
+def bench_prompt(spec: str, n_tokens: int, split: str = "all", variant: int = 0) -> torch.Tensor:
+    """``[1, n_tokens]`` essay prompt in the tokenizer of the model named ``spec``."""
+    return prompt_tokens(model_tokenizer(spec), n_tokens, split=split, variant=variant)[None]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .data import ByteTokenizer, Tokenizer
+from .data import Tokenizer, model_tokenizer
 from .errors import require
 from .generate import GenerationResult, check_prompt
 from .methods import METHODS, method_options
@@ -69,10 +69,7 @@ def tokenizer_for(model: Transformer) -> Tokenizer:
     """The tokenizer that belongs to a model loaded by name (UTF-8 bytes for the tiny random models)."""
     source = getattr(model, "source", None)
     require(source is not None, "this model was not loaded by name, so its tokenizer is unknown; pass tokenizer=")
-    if source.startswith("tiny-"):
-        return ByteTokenizer()
-    from .weights import load_tokenizer
-    return load_tokenizer(source)
+    return model_tokenizer(source)
 
 
 def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None) -> torch.Tensor:

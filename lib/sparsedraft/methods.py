@@ -25,7 +25,7 @@ from .caches import StreamingCache, rebuild_policy
 from .caches.retrieval import GROUP_REDUCTIONS
 from .caches.streaming import POSITION_MODES
 from .config import ModelConfig
-from .errors import require
+from .errors import SparsedraftError, require
 from .generate import GenerationResult, generate
 from .model import Transformer
 from .sampling import SamplingConfig
@@ -41,6 +41,18 @@ def _check_draft(draft: Any) -> None:
     require(isinstance(draft, str), f"draft must be a model source string, a Transformer or a Drafter, got {type(draft).__name__}")
     require(not draft.startswith("truncated:") or draft.removeprefix("truncated:").isdigit(),
             f"draft {draft!r}: write truncated:K with K the number of target layers kept")
+
+
+def _check_draft_source(draft: Any) -> None:
+    """A draft named by a string must be findable before anything loads (an HF id may download here)."""
+    if not isinstance(draft, str) or draft == "ngram" or draft.startswith("truncated:") or has_checkpoint(Path(draft)):
+        return
+    from .weights import resolve
+    try:
+        resolve(draft)
+    except SparsedraftError as exc:
+        raise SparsedraftError(f"draft {draft!r} is not ngram, truncated:K, a BudgetDraft run folder "
+                               f"(train-drafter writes one) or a model: {exc}") from exc
 
 
 def _check_budget(budget: int, chunk_size: int, prompt_len: int) -> None:
@@ -89,6 +101,7 @@ class SpecOptions:
                 f"draft_cache {self.draft_cache!r} needs a draft model; prompt lookup (ngram) has no cache")
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
+        _check_draft_source(self.draft)
         if self.draft_cache == "budget":
             _check_budget(self.budget, self.chunk_size, prompt_len)
         if isinstance(self.draft, str) and self.draft.startswith("truncated:"):
@@ -112,6 +125,7 @@ class BudgetDraftOptions:
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
+        _check_draft_source(self.draft)
         _check_budget(self.budget, self.chunk_size, prompt_len)
 
 
@@ -167,6 +181,7 @@ class TriforceOptions:
         rebuild_policy(self.rebuild)
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
+        _check_draft_source(self.draft)
         _check_budget(self.budget, self.chunk_size, prompt_len)
 
 

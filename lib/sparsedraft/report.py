@@ -1,11 +1,12 @@
 """What a notebook hands back to the runner: metrics, tables, figures, and prose built from numbers.
 
 A notebook calls :func:`init` with the ``output_dir`` parameter the runner
-(``python -m sparsedraft.run``) injects, then saves what it computed:
+(``python -m sparsedraft run``) injects, then saves what it computed:
 
 - :func:`save_metrics` merges values into ``metrics.json``; keys saved with
   ``headline=True`` are listed in the results index ``outputs/README.md``;
 - :func:`save_table` writes ``<name>.csv``; :func:`save_figure` ``<name>.png``;
+  :func:`format_table` renders rows as plain text (the benchmarks' tables);
 - :func:`line_figure` and :func:`bar_figure` are generic seaborn figures for
   the measured frames that have no dedicated helper in
   :mod:`sparsedraft.analysis.plots`;
@@ -100,6 +101,12 @@ def save_table(df, name: str, show: bool = True):
     if show:
         _display(df)
     return df
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Right-aligned plain-text table, for a terminal or a log where a data frame cannot render."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [header, *rows])
 
 
 def save_figure(fig, name: str, dpi: int = 110):

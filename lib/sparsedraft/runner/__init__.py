@@ -1,6 +1,6 @@
 """Notebook runner internals: planning (:mod:`.config`), execution (:mod:`.execute`), index (:mod:`.index`).
 
-The command line lives in :mod:`sparsedraft.run`.
+The command line is ``python -m sparsedraft run`` (:mod:`.cli`).
 """
 
 from .config import NotebookRun, RunConfig, plan, run_id

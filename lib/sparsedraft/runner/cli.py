@@ -1,4 +1,4 @@
-"""Run the notebooks: ``python -m sparsedraft.run [--profile cpu] [--only 01,04] [-p key=value] [--force]``.
+"""``python -m sparsedraft run [--profile cpu] [--only 01,04] [-p key=value] [--force]``: run the notebooks.
 
 Parameters are layered notebook defaults -> ``notebooks/profiles/<profile>.yaml``
 -> ``-p`` overrides, validated against each notebook's ``parameters`` cell
@@ -14,15 +14,16 @@ skipped), 1 when one failed, 2 on a configuration error.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from .errors import SparsedraftError
-from .runner import RunConfig, execute, plan, write_index
+from .config import RunConfig, plan
+from .execute import execute
+from .index import write_index
+
+HELP = "run the notebooks with papermill into outputs/ (skips runs whose results exist)"
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, bool]:
-    parser = argparse.ArgumentParser(prog="python -m sparsedraft.run", description=__doc__.splitlines()[0])
+def add_run_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="cpu",
                         help="profile name in notebooks/profiles/ (cpu, quick, gpu-paper) or a .yaml path")
     parser.add_argument("--only", default="",
@@ -37,22 +38,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, bool]:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads per notebook kernel; 1 avoids thrashing on a machine shared with other jobs")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (run ids, parameters) and stop")
-    args = parser.parse_args(argv)
+
+
+def run_notebooks(args: argparse.Namespace) -> int:
+    """Plan (validating every parameter), then execute each notebook; the exit status of the command."""
     only = tuple(k.strip() for k in args.only.split(",") if k.strip())
-    return RunConfig(args.profile, only, args.force, tuple(args.overrides), args.notebooks, args.outputs,
-                     args.kernel, args.timeout, args.threads), args.dry_run
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg, dry_run = parse_args(argv)
-        runs = plan(cfg)
-    except SparsedraftError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    cfg = RunConfig(args.profile, only, args.force, tuple(args.overrides), args.notebooks, args.outputs,
+                    args.kernel, args.timeout, args.threads)
+    runs = plan(cfg)
     failed = ran = 0
     for run in runs:
-        if dry_run:
+        if args.dry_run:
             print(f"{run.name}: {run.output_dir}  {run.parameters}")
             continue
         print(f"{run.name}: {run.output_dir} ...", flush=True)
@@ -62,10 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run.name}: {outcome.status} in {outcome.wall_s:.0f} s{detail}", flush=True)
         failed += outcome.status == "failed"
         ran += outcome.status != "skipped"
-    if not dry_run:
+    if not args.dry_run:
         print(f"index: {write_index(cfg.outputs_dir)}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,21 +1,16 @@
-"""Benchmarks that return rows: the numbers every speedup claim is measured against.
+"""The ``ar`` benchmark: plain autoregressive decoding, our engine against Hugging Face transformers.
 
-Each benchmark is a frozen config dataclass plus a function ``run(config,
-progress) -> result`` whose result renders a human table (``table()``) and a
-JSON-ready dict (``to_dict()``). :data:`BENCHES` maps a method name to both;
-the CLI (``python -m sparsedraft bench <method>``) derives its options from
-the config's fields, so adding a method is one entry here and no CLI code.
-
-The ``ar`` benchmark times plain autoregressive decoding of our engine and of
-Hugging Face transformers in the same process, on the same weights and the
-same essay prompt, after identical warm-up runs, with the device synchronised
-around each timed region. Both engines run the same greedy loop: one prefill
-forward (ours in 1024-token chunks, transformers in one call with its default
+Both engines run in the same process, on the same weights and the same essay
+prompt, after identical warm-up runs, with the device synchronised around
+each timed region. Both run the same greedy loop: one prefill forward (ours
+in 1024-token chunks, transformers in one call with its default
 ``DynamicCache``), the first token from the prefill logits, then one forward
-per further token. "Decode ms" is therefore decode time per decode forward
-(``new_tokens - 1`` of them). It also times a ``verify_tokens``-token forward
-against the full cache (a speculative verification of gamma + 1 tokens,
-rolled back after each) against a one-token forward at the same context.
+per further token. Time per token is :attr:`DecodeResult.ms_per_token` for
+both: decode seconds over the ``new_tokens - 1`` tokens the decode phase
+emitted. The bench also times a ``verify_tokens``-token forward against the
+full cache (a speculative verification of gamma + 1 tokens, rolled back after
+each) against a one-token forward at the same context, and turns the decode
+time into achieved bandwidth with the byte counts of :mod:`sparsedraft.roofline`.
 """
 
 from __future__ import annotations
@@ -24,41 +19,29 @@ import inspect
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from .data import SPLITS, ByteTokenizer, prompt_tokens
-from .errors import SparsedraftError, require
-from .generate import GenerationResult, check_prompt, generate, prefill, synchronize
-from .model import Transformer
-from .roofline import MIB, bytes_per_token, kv_bytes, measure_read_bandwidth, weight_bytes
-from .tiny import tiny_hf_config
-from .weights import load_config, load_model, load_tokenizer, resolve
+from .. import weights
+from ..data import SPLITS, bench_prompt
+from ..decoding import DecodeResult, decode
+from ..errors import require
+from ..generate import prefill, synchronize
+from ..model import Transformer
+from ..report import format_table
+from ..roofline import MIB, bytes_per_token, kv_bytes, measure_read_bandwidth, weight_bytes
+from ..runtime import DTYPES, device_name, resolve_device
+from ..tiny import tiny_hf_config
+from .timing import interleaved_runs
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GB = 1e9
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` is CUDA when available, else CPU; a CUDA device must exist."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise SparsedraftError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from exc
-    require(device.type != "cuda" or torch.cuda.is_available(),
-            f"device {name!r} requested but CUDA is not available here; use --device cpu or auto")
-    return device
 
 
 @dataclass(frozen=True)
 class ArBenchConfig:
     model: str = field(default="smollm2-135m", metadata={"help": "short name, .gguf, folder or HF id"})
-    dtype: str = field(default="fp32", metadata={"help": "weights and KV cache dtype",
-                                                 "choices": tuple(DTYPES)})
+    dtype: str = field(default="fp32", metadata={"help": "weights and KV cache dtype", "choices": tuple(DTYPES)})
     device: str = field(default="auto", metadata={"help": "auto (CUDA if present), cpu, cuda, cuda:N"})
     context: int = field(default=8000, metadata={"help": "prompt tokens (essay text)"})
     new_tokens: int = field(default=128, metadata={"help": "greedy tokens generated per run (>= 2)"})
@@ -66,8 +49,7 @@ class ArBenchConfig:
     repeats: int = field(default=3, metadata={"help": "timed runs per engine; medians are reported"})
     verify_tokens: int = field(default=7, metadata={"help": "tokens per verification forward (gamma + 1)"})
     hf: bool = field(default=True, metadata={"help": "also time transformers on the same weights"})
-    split: str = field(default="all", metadata={"help": "essay split the prompt comes from",
-                                                "choices": SPLITS})
+    split: str = field(default="all", metadata={"help": "essay split the prompt comes from", "choices": SPLITS})
     variant: int = field(default=0, metadata={"help": "which prompt window of the corpus"})
     read_mib: int = field(default=1024, metadata={"help": "MiB read to measure memory bandwidth (>= 1024)"})
 
@@ -89,9 +71,9 @@ class ArBenchConfig:
 class EngineRow:
     engine: str
     prefill_s: float  # median over repeats
-    decode_ms: float  # median time per decode forward
-    tokens_per_s: float  # 1000 / decode_ms
-    bandwidth_gbps: float  # bytes_per_token at the mean decode context / decode time
+    ms_per_token: float  # median DecodeResult.ms_per_token (decode seconds / tokens the decode phase emitted)
+    tokens_per_s: float  # 1000 / ms_per_token
+    bandwidth_gbps: float  # bytes_per_token at the mean decode context / decode time per token
     bandwidth_fraction: float  # of the measured read bandwidth
 
 
@@ -115,7 +97,7 @@ class ArBenchResult:
     bytes_per_token: int  # at the mean decode context, context + new_tokens // 2
     engines: list[EngineRow]
     verify: VerifyRow
-    hf_ms_over_ours: float | None  # transformers decode ms / our decode ms (> 1: we are faster)
+    hf_ms_over_ours: float | None  # transformers ms/token / ours (> 1: we are faster)
     tokens_match: bool | None  # greedy tokens identical across engines
     matching_prefix: int | None  # leading tokens the engines agree on
     versions: dict[str, str] = field(default_factory=dict)
@@ -131,7 +113,7 @@ class ArBenchResult:
                 f"bytes/token {self.bytes_per_token / 1e6:.1f} MB (weights {self.weight_bytes / 1e6:.1f} MB, "
                 f"KV at prompt {self.kv_bytes_at_context / 1e6:.1f} MB); read bandwidth "
                 f"{self.read_bandwidth_gbps:.1f} GB/s\n")
-        rows = [[r.engine, f"{r.prefill_s:.3f}", f"{r.decode_ms:.2f}", f"{r.tokens_per_s:.1f}",
+        rows = [[r.engine, f"{r.prefill_s:.3f}", f"{r.ms_per_token:.2f}", f"{r.tokens_per_s:.1f}",
                  f"{r.bandwidth_gbps:.1f}", f"{100 * r.bandwidth_fraction:.0f}%"] for r in self.engines]
         lines = [head + format_table(["engine", "prefill s", "decode ms/tok", "tok/s", "GB/s", "of read"], rows)]
         if self.hf_ms_over_ours is not None:
@@ -143,23 +125,10 @@ class ArBenchResult:
         return "\n".join(lines)
 
 
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    """Right-aligned plain-text table."""
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [header, *rows])
-
-
-def bench_prompt(spec: str, n_tokens: int, split: str = "all", variant: int = 0) -> torch.Tensor:
-    """[1, n_tokens] essay prompt in the model's tokenizer (UTF-8 bytes for tiny random models)."""
-    tiny = isinstance(resolve(spec), str)  # resolve() leaves only tiny-<family> names as strings
-    tokenizer = ByteTokenizer() if tiny else load_tokenizer(spec)
-    return prompt_tokens(tokenizer, n_tokens, split=split, variant=variant)[None]
-
-
 def load_hf_oracle(spec: str, model: Transformer, dtype: torch.dtype, device: torch.device):
     """The same weights as a transformers ``AutoModelForCausalLM`` (eval mode, on ``device``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    where = resolve(spec)
+    where = weights.resolve(spec)
     if isinstance(where, str):  # tiny random model: same config dict, our weights copied in
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_hf_config(where[5:])), dtype=dtype)
         state = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in model.state_dict().items()}
@@ -172,8 +141,9 @@ def load_hf_oracle(spec: str, model: Transformer, dtype: torch.dtype, device: to
 
 
 @torch.inference_mode()
-def hf_generate(hf, prompt: torch.Tensor, max_new_tokens: int) -> GenerationResult:
-    """Greedy decoding with transformers, the same loop and timing as :func:`generate`."""
+def hf_generate(hf, prompt: torch.Tensor, max_new_tokens: int) -> DecodeResult:
+    """Greedy decoding with transformers in the loop of our ``ar`` method: the first token from the prefill
+    logits, so the decode phase emits ``max_new_tokens - 1`` tokens and ``ms_per_token`` means the same."""
     device = prompt.device
     # transformers 5 renamed ``past_key_values`` to ``cache``; the old name takes a slow deprecated path.
     cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
@@ -190,25 +160,15 @@ def hf_generate(hf, prompt: torch.Tensor, max_new_tokens: int) -> GenerationResu
         out = hf(input_ids=tokens[-1][:, None], use_cache=True, **{cache_kw: out[cache_kw]})
     synchronize(device)
     t2 = time.perf_counter()
-    return GenerationResult(torch.stack(tokens, 1).cpu(), t1 - t0, t2 - t1, prompt.shape[1])
+    return DecodeResult("transformers", torch.stack(tokens, 1).cpu(), prompt.shape[1], t1 - t0, t2 - t1,
+                        max_new_tokens - 1)
 
 
-def time_runs(run: Callable[[], GenerationResult], warmup: int, repeats: int,
-              desc: str, progress: bool) -> list[GenerationResult]:
-    """``warmup`` discarded runs, then ``repeats`` kept ones."""
-    results = []
-    for i in tqdm(range(warmup + repeats), desc=desc, disable=not progress, leave=False):
-        result = run()
-        if i >= warmup:
-            results.append(result)
-    return results
-
-
-def engine_row(engine: str, runs: list[GenerationResult], bytes_read: int, read_bandwidth: float) -> EngineRow:
-    decode_ms = statistics.median(1000 * r.decode_s / (r.tokens.shape[1] - 1) for r in runs)
-    bandwidth = bytes_read / (decode_ms / 1000)
-    return EngineRow(engine, statistics.median(r.prefill_s for r in runs), decode_ms, 1000 / decode_ms,
-                     bandwidth / GB, bandwidth / read_bandwidth)
+def engine_row(engine: str, runs: list[DecodeResult], bytes_read: int, read_bandwidth: float) -> EngineRow:
+    ms = statistics.median(r.ms_per_token for r in runs)
+    bandwidth = bytes_read / (ms / 1000)
+    return EngineRow(engine, statistics.median(r.prefill_s for r in runs), ms, 1000 / ms, bandwidth / GB,
+                     bandwidth / read_bandwidth)
 
 
 @torch.inference_mode()
@@ -247,54 +207,32 @@ def run_ar_bench(cfg: ArBenchConfig, progress: bool = False) -> ArBenchResult:
     """Time our engine (and transformers unless ``cfg.hf`` is False) on one essay prompt."""
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
-    limit = load_config(cfg.model).max_position_embeddings
+    limit = weights.load_config(cfg.model).max_position_embeddings
     total = cfg.context + max(cfg.new_tokens, cfg.verify_tokens)
     require(total <= limit,
             f"context {cfg.context} + {max(cfg.new_tokens, cfg.verify_tokens)} new tokens = {total} exceeds the "
             f"maximum context of {cfg.model} ({limit}); lower --context or --new-tokens")
-    model = load_model(cfg.model, dtype, device)
+    model = weights.load_model(cfg.model, dtype, device)
     prompt = bench_prompt(cfg.model, cfg.context, cfg.split, cfg.variant).to(device)
-    check_prompt(model, prompt, cfg.new_tokens)
 
     read_bw = measure_read_bandwidth(device, cfg.read_mib * MIB)
     dtype_bytes = dtype.itemsize
     bytes_read = bytes_per_token(model.cfg, cfg.context + cfg.new_tokens // 2, dtype_bytes)
-
-    ours = time_runs(lambda: generate(model, prompt, cfg.new_tokens), cfg.warmup, cfg.repeats, "ours", progress)
-    engines = [engine_row("sparsedraft", ours, bytes_read, read_bw)]
-    verify = time_verify(model, prompt, cfg.verify_tokens, cfg.new_tokens)
-    ratio = match = prefix = None
+    runners = {"sparsedraft": lambda: decode(model, prompt, "ar", cfg.new_tokens)}
     versions = {"torch": torch.__version__}
     if cfg.hf:
         import transformers
         versions["transformers"] = transformers.__version__
         hf = load_hf_oracle(cfg.model, model, dtype, device)
-        theirs = time_runs(lambda: hf_generate(hf, prompt, cfg.new_tokens), cfg.warmup, cfg.repeats,
-                           "transformers", progress)
-        engines.append(engine_row("transformers", theirs, bytes_read, read_bw))
-        ratio = engines[1].decode_ms / engines[0].decode_ms
-        prefix = matching_prefix(ours[-1].tokens, theirs[-1].tokens)
+        runners["transformers"] = lambda: hf_generate(hf, prompt, cfg.new_tokens)
+    runs = interleaved_runs(runners, cfg.warmup, cfg.repeats, progress)
+    engines = [engine_row(name, results, bytes_read, read_bw) for name, results in runs.items()]
+    verify = time_verify(model, prompt, cfg.verify_tokens, cfg.new_tokens)
+    ratio = match = prefix = None
+    if cfg.hf:
+        ratio = engines[1].ms_per_token / engines[0].ms_per_token
+        prefix = matching_prefix(runs["sparsedraft"][-1].tokens, runs["transformers"][-1].tokens)
         match = prefix == cfg.new_tokens
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return ArBenchResult(cfg, device_name, prompt.shape[1], read_bw / GB, weight_bytes(model.cfg, dtype_bytes),
-                         kv_bytes(model.cfg, cfg.context, dtype_bytes), bytes_read, engines, verify, ratio,
-                         match, prefix, versions)
-
-
-class BenchResult(Protocol):
-    def table(self) -> str: ...
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class Bench:
-    config: type  # frozen dataclass; its fields (with metadata "help"/"choices") become CLI options
-    run: Callable[[Any, bool], BenchResult]  # (config, progress) -> result
-    help: str
-
-
-BENCHES: dict[str, Bench] = {
-    "ar": Bench(ArBenchConfig, run_ar_bench,
-                "autoregressive decoding: ours vs transformers, verify-k cost, achieved bandwidth"),
-}
+    return ArBenchResult(cfg, device_name(device), prompt.shape[1], read_bw / GB,
+                         weight_bytes(model.cfg, dtype_bytes), kv_bytes(model.cfg, cfg.context, dtype_bytes),
+                         bytes_read, engines, verify, ratio, match, prefix, versions)

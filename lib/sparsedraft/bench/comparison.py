@@ -1,0 +1,251 @@
+"""``compare``: the AR baseline and any registered methods on one prompt, in one process.
+
+Everything a user can get wrong is checked before the model loads: the
+config's values, each method's options (:func:`~sparsedraft.methods.method_options`),
+the context against the model's limit (read from its config alone) and each
+method's prompt-dependent checks at that context. Then the target loads once
+(quantised once with ``quant="int8"``, so the baseline and every truncated
+draft share the lever), the essay prompt is built once, each named draft is
+loaded once, and every method runs through :func:`sparsedraft.decode` --
+warm-up runs first, then timed rounds that take turns
+(:func:`~.timing.interleaved_runs`).
+
+Ratios use :attr:`DecodeResult.ms_per_token` (the one definition of time per
+token): ``speedup`` is the baseline's ms/token over the method's,
+``end_to_end`` the baseline's prefill + decode seconds over the method's (a
+retrieval cache's build sits in the speculative prefill). Per-level stats come
+from the median run.
+
+From Python::
+
+    result = compare(CompareConfig(model="tiny-llama", context=200, new_tokens=16,
+                                   methods=(("retrieval", {"budget": 64}), ("triforce", {"budget": 64}))))
+    result.frame()  # one row per method, baseline first
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .. import weights
+from ..data import SPLITS, bench_prompt
+from ..decoding import DecodeResult, decode
+from ..errors import require
+from ..methods import METHODS, load_draft, method_options
+from ..quant import quantize_int8
+from ..report import format_table
+from ..runtime import DTYPES, device_name, resolve_device
+from ..sampling import SamplingConfig
+from .timing import interleaved_runs, median_run
+
+QUANTS = ("none", "int8")
+BASELINE = "ar"
+
+
+def _entry(spec: str | tuple[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """A method as ``name`` or ``(name, options)``, normalised to ``(name, dict)``."""
+    if isinstance(spec, str):
+        return spec, {}
+    require(isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[1], Mapping),
+            f"each method is a name or a (name, options mapping) pair, got {spec!r}")
+    return spec[0], dict(spec[1])
+
+
+def _label(name: str, options: dict[str, Any], repeated: bool) -> str:
+    """The row name: the method, plus its options when the same method is listed more than once."""
+    if not repeated:
+        return name
+    return f"{name}({', '.join(f'{k}={_plain(v)}' for k, v in options.items())})"
+
+
+def _plain(value: Any) -> Any:
+    """An option value as JSON can hold it: a model object by the spec it was loaded from, else its type."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "source", None) or type(value).__name__
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    model: str = field(default="smollm2-135m", metadata={"help": "target: short name, .gguf, folder or HF id"})
+    dtype: str = field(default="fp32", metadata={"help": "weights and KV cache dtype", "choices": tuple(DTYPES)})
+    quant: str = field(default="none", metadata={
+        "help": "weight-only quantisation of the target (and so of the baseline and truncated drafts)",
+        "choices": QUANTS})
+    device: str = field(default="auto", metadata={"help": "auto (CUDA if present), cpu, cuda, cuda:N"})
+    context: int = field(default=4000, metadata={"help": "prompt tokens (essay text)"})
+    new_tokens: int = field(default=128, metadata={"help": "tokens generated per run (>= 2)"})
+    warmup: int = field(default=1, metadata={"help": "untimed runs per method before timing"})
+    repeats: int = field(default=1, metadata={"help": "timed runs per method; medians are reported"})
+    split: str = field(default="all", metadata={"help": "essay split the prompt comes from", "choices": SPLITS})
+    variant: int = field(default=0, metadata={"help": "which prompt window of the corpus"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (tokens must match the baseline)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (temperature > 0)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    # Methods compared with the baseline: names or (name, options) pairs; the CLI sets one from its flags.
+    methods: tuple = field(default=(), metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        require(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        require(self.quant in QUANTS, f"quant must be one of {QUANTS}, got {self.quant!r}")
+        require(self.split in SPLITS, f"split must be one of {SPLITS}, got {self.split!r}")
+        require(self.context >= 2, f"context must be >= 2 tokens (speculative methods hold one back), "
+                                   f"got {self.context}")
+        require(self.new_tokens >= 2, f"new_tokens must be >= 2, got {self.new_tokens}")
+        require(self.warmup >= 0 and self.repeats >= 1,
+                f"warmup must be >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
+        require(self.variant >= 0, f"variant must be >= 0, got {self.variant}")
+        require(isinstance(self.methods, (tuple, list)),
+                f"methods must be a tuple of names or (name, options) pairs, got {type(self.methods).__name__}")
+        entries = tuple(_entry(m) for m in self.methods)
+        for name, options in entries:
+            require(name != BASELINE, f"{BASELINE!r} is the baseline every comparison runs; list only other methods")
+            method_options(name, **options)
+        labels = self.labels(entries)
+        require(len(set(labels)) == len(labels), f"a method is listed twice with the same options: {labels}")
+        object.__setattr__(self, "methods", entries)
+        self.sampling  # validates temperature, top_p and seed
+
+    @staticmethod
+    def labels(entries: tuple[tuple[str, dict[str, Any]], ...]) -> list[str]:
+        names = [name for name, _ in entries]
+        return [_label(name, options, names.count(name) > 1) for name, options in entries]
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_p, seed=self.seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "methods"}
+        methods = [[name, {k: _plain(v) for k, v in options.items()}] for name, options in self.methods]
+        return {**values, "methods": methods}
+
+
+@dataclass(frozen=True)
+class MethodRow:
+    method: str  # the method's name (with its options when one method is listed twice)
+    prefill_s: float  # median over repeats
+    ms_per_token: float  # median DecodeResult.ms_per_token
+    tokens_per_s: float  # 1000 / ms_per_token
+    speedup: float  # baseline ms_per_token / this ms_per_token (1.0 for the baseline)
+    end_to_end: float  # baseline (prefill + decode) / this (prefill + decode), medians
+    tokens_match: bool | None  # greedy: every timed run's tokens equal the baseline's; None when sampling
+    tokens_per_iteration: float | None = None  # tokens per full-target forward (None for the baseline)
+    acceptance: dict[str, float] = field(default_factory=dict)  # verifier level -> acceptance rate
+    mean_accepted: dict[str, float] = field(default_factory=dict)  # verifier level -> drafts kept per round
+    histogram: dict[str, list[int]] = field(default_factory=dict)  # verifier level -> rounds keeping n drafts
+    verifications: dict[str, int] = field(default_factory=dict)  # verifier level -> its forwards
+    drafted: dict[str, int] = field(default_factory=dict)  # verifier level -> draft tokens it checked
+    rebuilds: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)  # decode seconds per region (inclusive)
+    decode_s: float = 0.0  # the median run's decode seconds (regions plus untimed bookkeeping)
+    options: dict[str, Any] = field(default_factory=dict)  # the options given (JSON-ready)
+
+
+@dataclass
+class CompareResult:
+    config: CompareConfig
+    device: str
+    prompt_len: int
+    rows: list[MethodRow]  # baseline first, then the methods in config order
+
+    def row(self, method: str) -> MethodRow:
+        """The row named ``method`` (see :attr:`MethodRow.method`)."""
+        found = [r for r in self.rows if r.method == method]
+        require(len(found) == 1, f"no row {method!r}; rows are {[r.method for r in self.rows]}")
+        return found[0]
+
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per row (a data frame's records)."""
+        return [dataclasses.asdict(r) for r in self.rows]
+
+    def frame(self):
+        """The rows as a pandas DataFrame, one row per method, baseline first."""
+        import pandas as pd
+        return pd.DataFrame(self.records())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bench": "compare", "config": self.config.to_dict(), "device": self.device,
+                "prompt_len": self.prompt_len, "rows": self.records()}
+
+    def table(self) -> str:
+        c = self.config
+        quant = "" if c.quant == "none" else f" {c.quant}"
+        law = "greedy" if c.sampling.greedy else f"temperature {c.temperature}, top_p {c.top_p}"
+        head = (f"compare: {', '.join(r.method for r in self.rows[1:]) or 'baseline only'} vs {BASELINE}, "
+                f"{c.model} {c.dtype}{quant} on {self.device}, prompt {self.prompt_len} tokens, {c.new_tokens} "
+                f"new ({law}), median of {c.repeats}\n")
+        cells = [[r.method, f"{r.prefill_s:.3f}", f"{r.ms_per_token:.2f}", f"{r.tokens_per_s:.1f}",
+                  f"{r.speedup:.2f}x", f"{r.end_to_end:.2f}x",
+                  "-" if r.tokens_per_iteration is None else f"{r.tokens_per_iteration:.2f}",
+                  " ".join(f"{k}={v:.2f}" for k, v in r.acceptance.items()) or "-",
+                  {True: "yes", False: "NO", None: "-"}[r.tokens_match]] for r in self.rows]
+        lines = [head + format_table(["method", "prefill s", "decode ms/tok", "tok/s", "speedup", "end-to-end",
+                                      "tok/iter", "acceptance", "tokens = ar"], cells)]
+        for r in self.rows[1:]:
+            if r.decode_s > 0:
+                lines.append(f"{r.method} decode time: " + ", ".join(
+                    f"{k} {100 * v / r.decode_s:.0f}%" for k, v in sorted(r.seconds.items())))
+        return "\n".join(lines)
+
+
+def _row(label: str, runs: list[DecodeResult], baseline: list[DecodeResult], check_tokens: bool,
+         options: dict[str, Any]) -> MethodRow:
+    ms = statistics.median(r.ms_per_token for r in runs)
+    total = statistics.median(r.total_s for r in runs)
+    match = all(torch.equal(r.tokens, baseline[0].tokens) for r in runs) if check_tokens else None
+    base_ms = statistics.median(r.ms_per_token for r in baseline)
+    base_total = statistics.median(r.total_s for r in baseline)
+    common = dict(method=label, prefill_s=statistics.median(r.prefill_s for r in runs), ms_per_token=ms,
+                  tokens_per_s=1000 / ms, speedup=base_ms / ms, end_to_end=base_total / total, tokens_match=match,
+                  options={k: _plain(v) for k, v in options.items()})
+    median = median_run(runs, key=lambda r: r.decode_s).stats
+    if median is None:
+        return MethodRow(**common)
+    levels = median.levels
+    return MethodRow(**common, tokens_per_iteration=median.tokens_per_iteration,
+                     acceptance={lvl.name: lvl.acceptance_rate for lvl in levels},
+                     mean_accepted={lvl.name: lvl.mean_accepted for lvl in levels},
+                     histogram={lvl.name: list(lvl.histogram) for lvl in levels},
+                     verifications={lvl.name: lvl.verifications for lvl in levels},
+                     drafted={lvl.name: lvl.drafted for lvl in levels}, rebuilds=median.rebuilds,
+                     seconds=dict(median.seconds), decode_s=median.decode_s)
+
+
+def compare(config: CompareConfig, progress: bool = False) -> CompareResult:
+    """Time the baseline and ``config.methods`` on one essay prompt; returns rows (baseline first)."""
+    device = resolve_device(config.device)
+    model_cfg = weights.load_config(config.model)
+    limit = model_cfg.max_position_embeddings
+    require(config.context + config.new_tokens <= limit,
+            f"context {config.context} + {config.new_tokens} new tokens exceeds the maximum context of "
+            f"{config.model} ({limit}); lower --context or --new-tokens")
+    options = [method_options(name, **opts) for name, opts in config.methods]
+    for opts in options:
+        opts.check(model_cfg, config.context)
+
+    target = weights.load_model(config.model, DTYPES[config.dtype], device)
+    if config.quant == "int8":  # before any draft is cut from it: baseline, methods and truncated drafts share it
+        quantize_int8(target)
+    prompt = bench_prompt(config.model, config.context, config.split, config.variant).to(device)
+    drafts: dict[str, Any] = {}
+    runners = {BASELINE: lambda: decode(target, prompt, BASELINE, config.new_tokens, sampling=config.sampling)}
+    labels = config.labels(config.methods)
+    for label, (name, _), opts in zip(labels, config.methods, options):
+        values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+        draft = values.get("draft")
+        if isinstance(draft, str) and draft != "ngram":  # load each named draft once, not once per run
+            if draft not in drafts:
+                drafts[draft] = load_draft(draft, target)
+            values["draft"] = drafts[draft]
+        runners[label] = (lambda name=name, values=values:
+                          decode(target, prompt, name, config.new_tokens, sampling=config.sampling, **values))
+    runs = interleaved_runs(runners, config.warmup, config.repeats, progress)
+    given = {BASELINE: {}, **{label: opts for label, (_, opts) in zip(labels, config.methods)}}
+    rows = [_row(label, runs[label], runs[BASELINE], config.sampling.greedy, given[label]) for label in runners]
+    return CompareResult(config, device_name(device), prompt.shape[1], rows)

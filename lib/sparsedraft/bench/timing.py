@@ -1,0 +1,35 @@
+"""Warm-up and repeated runs shared by every benchmark, interleaved so drift hits all runners alike.
+
+Each runner is warmed up ``warmup`` times (untimed: first-call allocations,
+kernel selection and caches settle), then the runners take turns for
+``repeats`` rounds. Taking turns, rather than timing one runner's repeats
+back to back, spreads a machine's slow phases (thermal throttling, a
+neighbour's job) over every runner instead of charging them to one. The
+runners time themselves (they synchronise the device around their regions).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+from tqdm.auto import tqdm
+
+R = TypeVar("R")
+
+
+def interleaved_runs(runners: dict[str, Callable[[], R]], warmup: int, repeats: int,
+                     progress: bool = False) -> dict[str, list[R]]:
+    """Name -> its ``repeats`` timed results, after ``warmup`` discarded runs of each runner."""
+    steps = [(name, i >= warmup) for i in range(warmup + repeats) for name in runners]
+    kept: dict[str, list[R]] = {name: [] for name in runners}
+    for name, timed in tqdm(steps, desc="bench", disable=not progress, leave=False):
+        result = runners[name]()
+        if timed:
+            kept[name].append(result)
+    return kept
+
+
+def median_run(runs: list[R], key: Callable[[R], float]) -> R:
+    """The run whose ``key`` is the median (the upper middle one for an even count), so the stats a
+    report shows beside a median time come from one real run."""
+    return sorted(runs, key=key)[len(runs) // 2]

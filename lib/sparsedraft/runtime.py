@@ -1,0 +1,28 @@
+"""Where and in what precision a run happens: dtype names and device resolution shared by the CLI,
+the benchmarks and the notebooks, so ``--dtype bf16 --device auto`` means the same everywhere."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import SparsedraftError, require
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU; a CUDA device must exist."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise SparsedraftError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from exc
+    require(device.type != "cuda" or torch.cuda.is_available(),
+            f"device {name!r} requested but CUDA is not available here; use --device cpu or auto")
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    """A device as a report names it: the GPU's model for CUDA, else the device type."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -1,0 +1,124 @@
+"""``compare`` on tiny models: every method's row against the baseline from one process, lossless greedy
+tokens, per-level stats in range, drafts loaded once, int8 shared by baseline and draft, and a result that
+turns into a data frame and JSON with the same numbers."""
+
+import json
+import math
+
+import pytest
+
+import sparsedraft.bench.comparison
+import sparsedraft.methods
+from sparsedraft.bench import CompareConfig, compare
+from sparsedraft.budgetdraft.config import TrainConfig
+from sparsedraft.budgetdraft.train import train_drafter
+from sparsedraft.errors import SparsedraftError
+from sparsedraft.quant import Int8Linear
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = dict(model="tiny-llama", device="cpu", context=200, new_tokens=12, warmup=0, repeats=1)
+METHODS = (("spec", {"draft": "truncated:1", "gamma": 3}), ("retrieval", {"budget": 64, "gamma": 3}),
+           ("triforce", {"budget": 64, "gamma1": 2, "gamma2": 4}),
+           ("budgetdraft", {"draft": "truncated:1", "budget": 64, "gamma": 3}))
+
+
+@pytest.fixture(scope="module")
+def every_method():
+    return compare(CompareConfig(**TINY, methods=METHODS))
+
+
+def test_every_method_has_a_row_with_sound_numbers(every_method):
+    result = every_method
+    assert [r.method for r in result.rows] == ["ar", "spec", "retrieval", "triforce", "budgetdraft"]
+    assert result.prompt_len == 200 and result.device == "cpu"
+    ar = result.row("ar")
+    assert ar.speedup == 1.0 and ar.end_to_end == 1.0 and ar.tokens_per_iteration is None and ar.acceptance == {}
+    for row in result.rows:
+        assert row.tokens_match is True, row.method  # greedy: lossless against the baseline, every timed run
+        assert row.prefill_s > 0 and row.ms_per_token > 0
+        assert row.tokens_per_s == pytest.approx(1000 / row.ms_per_token)
+        assert row.speedup == pytest.approx(ar.ms_per_token / row.ms_per_token)
+    for row in result.rows[1:]:
+        assert list(row.acceptance)[-1] == "target" and row.tokens_per_iteration >= 1
+        assert all(0 <= rate <= 1 for rate in row.acceptance.values())
+        assert all(sum(h) == row.verifications[level] for level, h in row.histogram.items())
+        assert row.decode_s >= max(row.seconds.values())
+    assert list(result.row("triforce").acceptance) == ["level2", "target"]
+    assert result.row("retrieval").options == {"budget": 64, "gamma": 3}
+
+
+def test_frame_records_and_json_hold_the_same_numbers(every_method):
+    result = every_method
+    frame = result.frame()
+    assert list(frame.method) == [r.method for r in result.rows]
+    assert list(frame.ms_per_token) == [r.ms_per_token for r in result.rows]
+    record = json.loads(json.dumps(result.to_dict()))
+    assert record["bench"] == "compare"
+    assert record["config"]["methods"][1] == ["retrieval", {"budget": 64, "gamma": 3}]
+    assert [r["speedup"] for r in record["rows"]] == [r.speedup for r in result.rows]
+    table = result.table()
+    assert all(f"{r.ms_per_token:.2f}" in table for r in result.rows)
+
+
+def test_the_same_method_twice_is_labelled_by_its_options():
+    result = compare(CompareConfig(**{**TINY, "new_tokens": 6}, methods=(("retrieval", {"budget": 64}),
+                                                                        ("retrieval", {"budget": 128}))))
+    assert [r.method for r in result.rows] == ["ar", "retrieval(budget=64)", "retrieval(budget=128)"]
+
+
+def test_sampling_reports_no_token_match():
+    result = compare(CompareConfig(**{**TINY, "new_tokens": 6}, temperature=0.8, seed=1, methods=(("retrieval", {"budget": 64}),)))
+    assert [r.tokens_match for r in result.rows] == [None, None]
+    assert "temperature 0.8" in result.table()
+
+
+def test_int8_quantises_baseline_and_truncated_draft_alike(monkeypatch):
+    seen = []
+    original = Int8Linear.forward
+    monkeypatch.setattr(Int8Linear, "forward", lambda self, x: seen.append(1) or original(self, x))
+    result = compare(CompareConfig(**{**TINY, "new_tokens": 6}, quant="int8", methods=METHODS[:1]))
+    assert seen and all(r.tokens_match for r in result.rows) and " int8 on cpu" in result.table()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A BudgetDraft run folder: a 1-layer drafter trained a few steps against tiny-llama."""
+    tmp = tmp_path_factory.mktemp("bench_compare")
+    cfg = TrainConfig(verifier="tiny-llama", layers=1, seq_len=128, sequences=2, eval_sequences=0, budgets=(32,),
+                      steps=2, warmup=1, eval_every=0, final_context=0, teacher_dir=str(tmp / "teacher"),
+                      out_dir=str(tmp / "run"))
+    train_drafter(cfg, progress=False)
+    return cfg.run_dir
+
+
+def test_a_budgetdraft_run_folder_plugs_in_everywhere_and_loads_once(run_dir, monkeypatch):
+    loads = []
+    original = sparsedraft.methods.load_draft
+    monkeypatch.setattr(sparsedraft.bench.comparison, "load_draft", lambda *a: loads.append(a[0]) or original(*a))
+    draft = str(run_dir)
+    result = compare(CompareConfig(**TINY, methods=(
+        ("spec", {"draft": draft, "draft_cache": "budget", "budget": 64, "gamma": 3}),
+        ("triforce", {"draft": draft, "budget": 64}), ("budgetdraft", {"draft": draft, "budget": 64}))))
+    assert loads == [draft]
+    assert all(r.tokens_match for r in result.rows)
+    assert not any(math.isnan(v) for r in result.rows[1:] for v in r.acceptance.values())
+
+
+@pytest.mark.parametrize("methods, words", [
+    (("ar",), "baseline"),
+    (("nope",), "unknown method"),
+    ((("retrieval", {"budgett": 64}),), "no option"),
+    ((("retrieval", {"budget": 64}), ("retrieval", {"budget": 64})), "listed twice"),
+    ((("retrieval", 64),), "name or a"),
+])
+def test_bad_method_lists_fail_on_construction(methods, words):
+    with pytest.raises(SparsedraftError, match=words):
+        CompareConfig(**TINY, methods=methods)
+
+
+@pytest.mark.parametrize("bad, words", [(dict(quant="int4"), "quant"), (dict(context=1), "context"),
+                                        (dict(temperature=-1.0), "temperature")])
+def test_bad_shared_options_fail_on_construction(bad, words):
+    with pytest.raises(SparsedraftError, match=words):
+        CompareConfig(**{**TINY, **bad})
