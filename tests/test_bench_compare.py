@@ -43,6 +43,7 @@ def test_every_method_has_a_row_with_sound_numbers(every_method):
         assert list(row.acceptance)[-1] == "target" and row.tokens_per_iteration >= 1
         assert all(0 <= rate <= 1 for rate in row.acceptance.values())
         assert all(sum(h) == row.verifications[level] for level, h in row.histogram.items())
+        assert all(sum(map(sum, row.rounds[level].values())) == row.verifications[level] for level in row.rounds)
         assert row.decode_s >= max(row.seconds.values())
     assert list(result.row("triforce").acceptance) == ["level2", "target"]
     assert result.row("retrieval").options == {"budget": 64, "gamma": 3}
@@ -122,3 +123,15 @@ def test_bad_method_lists_fail_on_construction(methods, words):
 def test_bad_shared_options_fail_on_construction(bad, words):
     with pytest.raises(SparsedraftError, match=words):
         CompareConfig(**{**TINY, **bad})
+
+
+def test_a_preloaded_target_and_an_offset_prompt():
+    from sparsedraft import load_model
+    from sparsedraft.data import bench_prompt
+    config = CompareConfig(**{**TINY, "new_tokens": 4, "offset": 500}, methods=(("retrieval", {"budget": 64}),))
+    target = load_model("tiny-llama")
+    result = compare(config, target=target)
+    assert result.row("retrieval").tokens_match is True
+    assert not bench_prompt("tiny-llama", 200, offset=500).equal(bench_prompt("tiny-llama", 200))
+    with pytest.raises(SparsedraftError, match="not loaded as"):
+        compare(CompareConfig(**{**TINY, "model": "tiny-qwen2"}), target=target)

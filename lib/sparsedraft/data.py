@@ -146,9 +146,9 @@ def model_tokenizer(spec: str) -> Tokenizer:
     return ByteTokenizer() if isinstance(resolve(spec), str) else load_tokenizer(spec)
 
 
-def bench_prompt(spec: str, n_tokens: int, split: str = "all", variant: int = 0) -> torch.Tensor:
-    """``[1, n_tokens]`` essay prompt in the tokenizer of the model named ``spec``."""
-    return prompt_tokens(model_tokenizer(spec), n_tokens, split=split, variant=variant)[None]
+def bench_prompt(source: str, n_tokens: int, split: str = "all", variant: int = 0, offset: int = 0) -> torch.Tensor:
+    """``[1, n_tokens]`` essay prompt in the tokenizer of the model ``source`` (see :func:`prompt_tokens`)."""
+    return prompt_tokens(model_tokenizer(source), n_tokens, offset, split=split, variant=variant)[None]
 
 
 @dataclass(frozen=True)

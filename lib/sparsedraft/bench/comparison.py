@@ -37,6 +37,7 @@ from ..data import SPLITS, bench_prompt
 from ..decoding import DecodeResult, decode
 from ..errors import require
 from ..methods import METHODS, load_draft, method_options
+from ..model import Transformer
 from ..quant import quantize_int8
 from ..report import format_table
 from ..runtime import DTYPES, device_name, resolve_device
@@ -84,6 +85,8 @@ class CompareConfig:
     repeats: int = field(default=1, metadata={"help": "timed runs per method; medians are reported"})
     split: str = field(default="all", metadata={"help": "essay split the prompt comes from", "choices": SPLITS})
     variant: int = field(default=0, metadata={"help": "which prompt window of the corpus"})
+    offset: int = field(default=0, metadata={"help": "corpus tokens skipped before the prompt windows (keeps "
+                                                     "timed prompts apart from ones used to tune settings)"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy (tokens must match the baseline)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (temperature > 0)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
@@ -99,7 +102,8 @@ class CompareConfig:
         require(self.new_tokens >= 2, f"new_tokens must be >= 2, got {self.new_tokens}")
         require(self.warmup >= 0 and self.repeats >= 1,
                 f"warmup must be >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
-        require(self.variant >= 0, f"variant must be >= 0, got {self.variant}")
+        require(self.variant >= 0 and self.offset >= 0,
+                f"variant and offset must be >= 0, got {self.variant} and {self.offset}")
         require(isinstance(self.methods, (tuple, list)),
                 f"methods must be a tuple of names or (name, options) pairs, got {type(self.methods).__name__}")
         entries = tuple(_entry(m) for m in self.methods)
@@ -139,6 +143,7 @@ class MethodRow:
     acceptance: dict[str, float] = field(default_factory=dict)  # verifier level -> acceptance rate
     mean_accepted: dict[str, float] = field(default_factory=dict)  # verifier level -> drafts kept per round
     histogram: dict[str, list[int]] = field(default_factory=dict)  # verifier level -> rounds keeping n drafts
+    rounds: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # level -> g -> rounds of g keeping n
     verifications: dict[str, int] = field(default_factory=dict)  # verifier level -> its forwards
     drafted: dict[str, int] = field(default_factory=dict)  # verifier level -> draft tokens it checked
     rebuilds: int = 0
@@ -212,14 +217,25 @@ def _row(label: str, runs: list[DecodeResult], baseline: list[DecodeResult], che
                      acceptance={lvl.name: lvl.acceptance_rate for lvl in levels},
                      mean_accepted={lvl.name: lvl.mean_accepted for lvl in levels},
                      histogram={lvl.name: list(lvl.histogram) for lvl in levels},
+                     rounds={lvl.name: {g: list(n) for g, n in lvl.rounds.items()} for lvl in levels},
                      verifications={lvl.name: lvl.verifications for lvl in levels},
                      drafted={lvl.name: lvl.drafted for lvl in levels}, rebuilds=median.rebuilds,
                      seconds=dict(median.seconds), decode_s=median.decode_s)
 
 
-def compare(config: CompareConfig, progress: bool = False) -> CompareResult:
-    """Time the baseline and ``config.methods`` on one essay prompt; returns rows (baseline first)."""
+def compare(config: CompareConfig, progress: bool = False, target: Transformer | None = None) -> CompareResult:
+    """Time the baseline and ``config.methods`` on one essay prompt; returns rows (baseline first).
+
+    ``target`` reuses a model already loaded from ``config.model`` in ``config.dtype`` on ``config.device``
+    (a notebook comparing at several contexts loads it once); ``quant`` then must be ``none``.
+    """
     device = resolve_device(config.device)
+    if target is not None:
+        require(getattr(target, "source", None) == config.model and target.dtype == DTYPES[config.dtype]
+                and target.device.type == device.type,
+                f"the target passed to compare was not loaded as {config.model} {config.dtype} on {device}; "
+                "pass the matching model or none")
+        require(config.quant == "none", "compare quantises the model it loads; with a preloaded target use quant none")
     model_cfg = weights.load_config(config.model)
     limit = model_cfg.max_position_embeddings
     require(config.context + config.new_tokens <= limit,
@@ -229,10 +245,10 @@ def compare(config: CompareConfig, progress: bool = False) -> CompareResult:
     for opts in options:
         opts.check(model_cfg, config.context)
 
-    target = weights.load_model(config.model, DTYPES[config.dtype], device)
+    target = target if target is not None else weights.load_model(config.model, DTYPES[config.dtype], device)
     if config.quant == "int8":  # before any draft is cut from it: baseline, methods and truncated drafts share it
         quantize_int8(target)
-    prompt = bench_prompt(config.model, config.context, config.split, config.variant).to(device)
+    prompt = bench_prompt(config.model, config.context, config.split, config.variant, config.offset).to(device)
     drafts: dict[str, Any] = {}
     runners = {BASELINE: lambda: decode(target, prompt, BASELINE, config.new_tokens, sampling=config.sampling)}
     labels = config.labels(config.methods)
