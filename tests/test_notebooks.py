@@ -6,12 +6,15 @@ checks that each notebook executes, saves its artifacts and writes its answer
 ``outputs/`` is left alone.
 """
 
+import ast
 import json
 import re
+import string
 from pathlib import Path
 
 import nbformat
 import pytest
+from IPython.core.inputtransformer2 import TransformerManager
 
 from sparsedraft.__main__ import main
 from sparsedraft.runner.config import discover
@@ -19,8 +22,10 @@ from sparsedraft.runner.config import discover
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 # Numbers that state results (a percentage, a speedup, milliseconds, a decimal) must come from computed
-# values, never from a markdown cell; names such as "Fig. 3a", "Table 2" or "γ1" are fine.
+# values, never from a markdown cell or a report.show_text/answer template's literal text; names such as
+# "Fig. 3a", "Table 2" or "γ1" are fine.
 RESULT_NUMBER = re.compile(r"\d+(\.\d+)?\s*(%|×|ms\b|GB\b|s/token)|\b\d+\.\d+\b")
+REPORT_TEXT_CALLS = {"show_text", "answer"}  # report.<call>(template, **values) renders computed values
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +37,55 @@ def quick_run(tmp_path_factory):
     return status, outputs
 
 
-def test_markdown_cells_state_no_hand_typed_results():
-    for path in discover(NOTEBOOKS):
-        nb = nbformat.read(path, as_version=4)
-        for cell in nb.cells:
-            if cell.cell_type == "markdown":
-                found = RESULT_NUMBER.search(cell.source)
-                assert found is None, f"{path.name}: markdown states {found.group(0)!r}; compute it and use report.show_text"
+def template_texts(node: ast.AST):
+    """The string literals of an expression as the template they make: an f-string's values (computed) become
+    "_", so placeholders split across its pieces stay whole; other expressions are searched for literals."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    elif isinstance(node, ast.JoinedStr):
+        yield "".join(part.value if isinstance(part, ast.Constant) else "_" for part in node.values)
+    else:
+        for child in ast.iter_child_nodes(node):
+            yield from template_texts(child)
+
+
+def report_templates(source: str):
+    """Literal text (``{...}`` placeholders dropped) of the templates passed to report.show_text/answer."""
+    for call in ast.walk(ast.parse(TransformerManager().transform_cell(source))):
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in REPORT_TEXT_CALLS
+                and isinstance(call.func.value, ast.Name) and call.func.value.id == "report"):
+            template = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "template"), None)
+            for text in template_texts(template) if template is not None else ():
+                yield "".join(literal for literal, *_ in string.Formatter().parse(text))
+
+
+def hand_typed_results(nb) -> list[tuple[str, str]]:
+    """(number, the text stating it) for each result number typed into a markdown cell or a report template."""
+    texts = [text for cell in nb.cells for text in (
+        [cell.source] if cell.cell_type == "markdown" else report_templates(cell.source) if cell.cell_type == "code"
+        else [])]
+    return [(m.group(0), text) for text in texts for m in RESULT_NUMBER.finditer(text)]
+
+
+def test_notebooks_state_no_hand_typed_results():
+    found = {path.name: hand_typed_results(nbformat.read(path, as_version=4)) for path in discover(NOTEBOOKS)}
+    found = {name: hits for name, hits in found.items() if hits}
+    assert not found, f"compute these and pass them as template values, (number, text) per notebook: {found}"
+
+
+@pytest.mark.parametrize("template,hits", [
+    ('"Speedup **2.31×** at {context:,} tokens"', ["2.31×"]),
+    ('"at {ctx:,} tokens " "it takes 14 ms"', ["14 ms"]),
+    ('f"At {c:,} tokens {{share_{c}:.1%}} of 96.8% recovered"', ["96.8%"]),
+    ('"**{speedup:.2f}×**, {share:.1%} of {n} tokens, Fig. 3a, γ1 = {g}"', []),
+    ('" ".join(f"{{acc_{c}:.1%}} at {c} tokens" for c in cs)', []),
+])
+def test_hand_typed_result_guard_reads_report_templates(template, hits):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("Measured **4.4×** here."),
+                                         nbformat.v4.new_code_cell(f"m = 1\nreport.show_text({template}, **m)"),
+                                         nbformat.v4.new_code_cell(f"report.answer(template={template})")])
+    found = hand_typed_results(nb)
+    assert [number for number, _ in found] == ["4.4×"] + hits * 2, found
 
 
 def test_every_notebook_opens_with_a_question_and_has_one_parameters_cell():
