@@ -1,11 +1,11 @@
-"""BudgetCache: the chunks it keeps, exact rollback, the full-budget limit, and the training view's agreement."""
+"""BudgetCache: the chunks it keeps, exact rollback, the full-budget limit, misuse."""
 
 import pytest
 import torch
 
-from sparsedraft.budgetdraft.loss import full_forward, sparse_forward
-from sparsedraft.budgetdraft.view import budget_masks
-from sparsedraft.caches.budget import BudgetCache, observation_window, top_chunks
+from sparsedraft.budgetdraft.drafter import budget_prefill
+from sparsedraft.caches import BudgetCache
+from sparsedraft.caches.budget import observation_window, top_chunks
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.generate import prefill
 from sparsedraft.model import Capture
@@ -27,10 +27,9 @@ def naive_choice(attention, start, stop, keep):
 
 
 def test_top_chunks_prefers_high_scores_then_earlier_chunks():
-    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 9.0]])
-    eligible = torch.tensor([[True, True, True, True, False]])
-    assert top_chunks(scores, eligible, 2).tolist() == [[False, True, True, False, False]]
-    assert top_chunks(scores, eligible, 9).tolist() == eligible.tolist()
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 0.0]])
+    assert top_chunks(scores, 2).tolist() == [[False, True, True, False, False]]
+    assert top_chunks(scores, 9).tolist() == [[True] * 5]
 
 
 @pytest.mark.parametrize("prompt_len", [77, 80])
@@ -39,7 +38,7 @@ def test_selection_matches_naive_reference(prompt_len):
     tokens = torch.randint(0, 256, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
     budget = 24
     cache = BudgetCache(model.cfg, budget, prompt_len + 8, CHUNK, WINDOW, batch=2)
-    cache.prefill(model, tokens)
+    budget_prefill(model, cache, tokens)
     capture = Capture(layers={0, 1}, weights=True)
     full = model.new_cache(prompt_len, batch=2)
     with torch.no_grad():
@@ -62,7 +61,7 @@ def test_budget_covering_the_prompt_is_the_full_cache():
     cache = BudgetCache(model.cfg, 64, 80, CHUNK, WINDOW)
     full = model.new_cache(80)
     with torch.no_grad():
-        ours = torch.cat([cache.prefill(model, tokens[:, :50])[:, None], model(tokens[:, 50:], cache=cache)], 1)
+        ours = torch.cat([budget_prefill(model, cache, tokens[:, :50])[:, None], model(tokens[:, 50:], cache=cache)], 1)
         ref = torch.cat([prefill(model, full, tokens[:, :50])[:, None], model(tokens[:, 50:], cache=full)], 1)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
 
@@ -74,8 +73,8 @@ def test_rollback_after_selection_is_exact():
     cache = BudgetCache(model.cfg, 16, 90, CHUNK, WINDOW)
     fresh = BudgetCache(model.cfg, 16, 90, CHUNK, WINDOW)
     with torch.no_grad():
-        cache.prefill(model, tokens)
-        fresh.prefill(model, tokens)
+        budget_prefill(model, cache, tokens)
+        budget_prefill(model, fresh, tokens)
         model(draft, cache=cache)
         cache.rollback(3)
         after = model(other, cache=cache)
@@ -96,47 +95,9 @@ def test_bad_budgets_and_misuse_fail_clearly():
         BudgetCache(tiny_model("mistral").cfg, 64, 200)
     model = tiny_model("llama")
     cache = BudgetCache(cfg, 16, 64, CHUNK, WINDOW)
-    with pytest.raises(SparsedraftError, match="BudgetCache.prefill"):
+    with pytest.raises(SparsedraftError, match="budget_prefill"):
         model(torch.randint(0, 256, (1, 20)), cache=cache)
     with pytest.raises(SparsedraftError, match="max_len"):
-        cache.prefill(model, torch.randint(0, 256, (1, 70)))
-
-
-def naive_masks(attention, budget, t):
-    """Visible keys per query by the view's rule, one query at a time."""
-    b = attention.shape[0]
-    mask = torch.zeros(b, t, t, dtype=torch.bool)
-    for row in range(b):
-        for q in range(t):
-            own = q // CHUNK
-            start, stop = max(0, own * CHUNK - WINDOW), own * CHUNK
-            chosen = naive_choice(attention[row:row + 1], start, stop, budget // CHUNK)[0] if own else []
-            for c in chosen + [own]:
-                mask[row, q, c * CHUNK:(c + 1) * CHUNK] = True
-    return mask
-
-
-def test_training_view_matches_naive_reference():
-    model = tiny_model("llama")
-    tokens = torch.randint(0, 256, (2, 60))
-    with torch.no_grad():
-        _, attention = full_forward(model, tokens)
-    masks = budget_masks(attention, 16, CHUNK, WINDOW)
-    for layer in (0, 1):
-        assert torch.equal(masks[layer][:, 0], naive_masks(attention[layer], 16, 60))
-
-
-def test_training_view_is_what_the_cache_drafts_with():
-    """One layer: identical keys either way, so the first drafted chunk sees exactly the same context."""
-    model = tiny_model("llama", num_hidden_layers=1)
-    tokens = torch.randint(0, 256, (1, 96), generator=torch.Generator().manual_seed(3))
-    prefix = 70  # drafting starts at position 70, inside chunk 8 = positions 64..71
-    with torch.no_grad():
-        _, attention = full_forward(model, tokens)
-        sparse = sparse_forward(model, tokens, attention, 24, CHUNK, WINDOW)
-        cache = BudgetCache(model.cfg, 24, 96, CHUNK, WINDOW)
-        cache.prefill(model, tokens[:, :prefix])
-        drafted = model(tokens[:, prefix:72], cache=cache)
-    visible = budget_masks(attention, 24, CHUNK, WINDOW)[0][0, 0, prefix, :64].view(8, CHUNK).all(1)
-    assert cache.chosen[0][0].tolist() == visible.nonzero()[:, 0].tolist()
-    torch.testing.assert_close(drafted, sparse[:, prefix:72], atol=1e-5, rtol=0)
+        budget_prefill(model, cache, torch.randint(0, 256, (1, 70)))
+    with pytest.raises(SparsedraftError, match="every layer"):
+        BudgetCache(cfg, 16, 64, CHUNK, WINDOW).select({})

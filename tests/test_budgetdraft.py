@@ -5,7 +5,8 @@ import torch
 
 from sparsedraft.budgetdraft.config import TrainConfig
 from sparsedraft.budgetdraft.init import copy_first_layers, init_drafter
-from sparsedraft.budgetdraft.loss import budgetdraft_loss, full_forward, sparse_forward
+from sparsedraft.budgetdraft.loss import budgetdraft_loss
+from sparsedraft.caches import BUDGETS
 from sparsedraft.budgetdraft.teacher import greedy_targets, teacher_targets
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.tiny import tiny_model
@@ -16,35 +17,46 @@ def batch(t=64, seed=0):
     return torch.randint(0, 256, (2, t), generator=gen), torch.randint(0, 256, (2, t), generator=gen)
 
 
+PREFIX = 40  # of the 64-token windows: L_C covers positions 40..63
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_sparse_loss_with_budget_covering_the_sequence_is_the_full_loss(family):
+def test_sparse_loss_with_budget_covering_the_prefix_is_the_full_loss_on_the_continuation(family):
     model = tiny_model(family)
     tokens, targets = batch()
-    positions = torch.tensor([0, 5, 17, 40, 63])
-    for budget in (64, 128):
-        parts = budgetdraft_loss(model, tokens, targets, 0.5, budget, 8, 16, positions)
-        assert parts.sparse == parts.full  # bit for bit, not approximately
-    with torch.no_grad():
-        logits, attention = full_forward(model, tokens)
-        assert torch.equal(sparse_forward(model, tokens, attention, 64, 8, 16), logits)
+    continuation = torch.arange(PREFIX, 64)
+    full = budgetdraft_loss(model, tokens, targets, 0.0, 8, PREFIX, 8, 16, continuation).full
+    for budget in (40, 128):
+        parts = budgetdraft_loss(model, tokens, targets, 0.5, budget, PREFIX, 8, 16, continuation)
+        assert parts.sparse == pytest.approx(full, abs=1e-5)
 
 
 def test_small_budget_changes_the_loss_and_lambda_zero_skips_it():
     model = tiny_model("llama")
     tokens, targets = batch()
-    sparse = budgetdraft_loss(model, tokens, targets, 1.0, 16, 8, 16)
-    assert sparse.sparse != sparse.full
+    continuation = torch.arange(PREFIX, 64)
+    sparse = budgetdraft_loss(model, tokens, targets, 1.0, 16, PREFIX, 8, 16, continuation)
+    assert abs(sparse.sparse - sparse.full) > 1e-4
     assert torch.isclose(sparse.total, torch.tensor(sparse.full + sparse.sparse))
-    ablation = budgetdraft_loss(model, tokens, targets, 0.0, 16, 8, 16)
+    ablation = budgetdraft_loss(model, tokens, targets, 0.0, 16, PREFIX, 8, 16, continuation)
     assert ablation.sparse is None and ablation.full == sparse.full
+
+
+def test_bad_prefix_and_sliding_window_fail_before_any_forward():
+    tokens, targets = batch()
+    with pytest.raises(SparsedraftError, match="prefix_len"):
+        budgetdraft_loss(tiny_model("llama"), tokens, targets, 1.0, 16, 64, 8, 16)
+    with pytest.raises(SparsedraftError, match="sliding-window"):
+        budgetdraft_loss(tiny_model("mistral"), tokens, targets, 1.0, 16, PREFIX, 8, 16)
 
 
 def test_gradients_reach_only_trainable_parameters_and_never_the_verifier():
     verifier = tiny_model("llama")  # tied embedding/head, like SmolLM2
     before = {k: v.clone() for k, v in verifier.state_dict().items()}
-    drafter = init_drafter(verifier, TrainConfig(verifier="tiny-llama", layers=1, seq_len=64, budgets=(16,)))
+    drafter = init_drafter(verifier, TrainConfig(verifier="tiny-llama", layers=1, seq_len=64, continuation=24,
+                                                 budgets=(16,)))
     tokens, targets = batch()
-    budgetdraft_loss(drafter, tokens, targets, 1.0, 16, 8, 16).total.backward()
+    budgetdraft_loss(drafter, tokens, targets, 1.0, 16, PREFIX, 8, 16).total.backward()
     for name, p in drafter.named_parameters():
         if name in ("embed_tokens.weight", "lm_head.weight"):
             assert p.grad is None and not p.requires_grad
@@ -57,10 +69,10 @@ def test_gradients_reach_only_trainable_parameters_and_never_the_verifier():
 
 def test_trained_embeddings_get_gradients():
     verifier = tiny_model("qwen2")  # untied head
-    drafter = init_drafter(verifier, TrainConfig(verifier="tiny-qwen2", layers=1, seq_len=64, budgets=(16,),
-                                                 train_embeddings=True))
+    drafter = init_drafter(verifier, TrainConfig(verifier="tiny-qwen2", layers=1, seq_len=64, continuation=24,
+                                                 budgets=(16,), train_embeddings=True))
     tokens, targets = batch()
-    budgetdraft_loss(drafter, tokens, targets, 1.0, 16, 8, 16).total.backward()
+    budgetdraft_loss(drafter, tokens, targets, 1.0, 16, PREFIX, 8, 16).total.backward()
     assert drafter.embed_tokens.weight.grad is not None and drafter.lm_head.weight.grad is not None
 
 
@@ -71,15 +83,22 @@ def test_inits():
     assert torch.equal(copied.layers[1].mlp.up_proj.weight, verifier.layers[1].mlp.up_proj.weight)
     assert copied.layers[1].mlp.up_proj.weight.data_ptr() != verifier.layers[1].mlp.up_proj.weight.data_ptr()
     scratch = init_drafter(verifier, TrainConfig(verifier="tiny-llama", drafter_init="scratch", layers=2,
-                                                 seq_len=64, budgets=(16,)))
+                                                 seq_len=64, continuation=24, budgets=(16,)))
     assert not torch.equal(scratch.layers[0].self_attn.q_proj.weight, verifier.layers[0].self_attn.q_proj.weight)
     assert torch.equal(scratch.embed_tokens.weight, verifier.embed_tokens.weight)
     other = init_drafter(verifier, TrainConfig(verifier="tiny-llama", drafter_init="tiny-qwen2", seq_len=64,
-                                               budgets=(16,)))
+                                               continuation=24, budgets=(16,)))
     assert other.cfg.family == "qwen2" and other.training
 
 
+def test_default_training_budgets_cover_the_evaluated_ones_with_a_longer_prefix():
+    cfg = TrainConfig()
+    assert set(BUDGETS) <= set(cfg.budgets) and cfg.prefix_len > max(BUDGETS)
+
+
 def test_bad_configs_fail_clearly():
+    with pytest.raises(SparsedraftError, match="longer than the largest budget"):
+        TrainConfig(seq_len=512, continuation=64, budgets=(256, 512))
     with pytest.raises(SparsedraftError, match="multiple of chunk_size"):
         TrainConfig(budgets=(64, 100), chunk_size=8)
     with pytest.raises(SparsedraftError, match="lam"):
@@ -87,9 +106,10 @@ def test_bad_configs_fail_clearly():
     with pytest.raises(SparsedraftError, match="loss_fraction"):
         TrainConfig(loss_fraction=0)
     with pytest.raises(SparsedraftError, match="vocabulary"):
-        init_drafter(tiny_model("llama", vocab_size=300), TrainConfig(drafter_init="tiny-qwen2", seq_len=64))
+        init_drafter(tiny_model("llama", vocab_size=300), TrainConfig(drafter_init="tiny-qwen2", seq_len=64,
+                                                                      continuation=24, budgets=(16,)))
     with pytest.raises(SparsedraftError, match="layers"):
-        init_drafter(tiny_model("llama"), TrainConfig(layers=2, seq_len=64))
+        init_drafter(tiny_model("llama"), TrainConfig(layers=2, seq_len=64, continuation=24, budgets=(16,)))
 
 
 def test_teacher_targets_are_cached_and_required_without_compute(tmp_path):

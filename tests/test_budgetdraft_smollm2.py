@@ -27,8 +27,9 @@ NEW = 48
 def setup(smollm2, tmp_path_factory):
     verifier, tokenizer = smollm2
     tmp = tmp_path_factory.mktemp("budgetdraft_smollm2")
-    cfg = TrainConfig(layers=2, seq_len=128, sequences=2, eval_sequences=0, budgets=(32, 64), steps=3, warmup=1,
-                      eval_every=0, final_context=0, teacher_dir=str(tmp / "teacher"), out_dir=str(tmp / "run"))
+    cfg = TrainConfig(layers=2, seq_len=128, continuation=32, sequences=2, eval_sequences=0, budgets=(32, 64),
+                      steps=3, warmup=1, eval_every=0, final_context=0, teacher_dir=str(tmp / "teacher"),
+                      out_dir=str(tmp / "run"))
     drafter = train_drafter(cfg, verifier, tokenizer, progress=False).drafter.eval()
     prompt = prompt_tokens(tokenizer, 1024, split="heldout", variant=3)[None]
     return verifier, drafter, prompt, generate(verifier, prompt, NEW).tokens

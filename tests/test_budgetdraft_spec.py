@@ -22,7 +22,8 @@ def pair(tmp_path_factory):
     """(verifier with 3 layers, drafter = its first layer trained for a few steps on essays)."""
     tmp = tmp_path_factory.mktemp("budgetdraft")
     verifier = tiny_model("llama", num_hidden_layers=3)
-    cfg = TrainConfig(verifier="tiny-llama", layers=1, seq_len=128, sequences=4, eval_sequences=0, budgets=(32, 64),
+    cfg = TrainConfig(verifier="tiny-llama", layers=1, seq_len=128, continuation=32, sequences=4, eval_sequences=0,
+                      budgets=(16, 32, 64),
                       steps=8, lr=1e-3, warmup=1, eval_every=0, final_context=0, teacher_dir=str(tmp / "teacher"),
                       out_dir=str(tmp / "run"))
     return verifier, train_drafter(cfg, verifier, progress=False).drafter, cfg.run_dir
@@ -56,7 +57,7 @@ def test_teacher_forced_estimate_equals_the_real_decoder(pair, budget):
 def test_plain_model_drafter_over_budget_cache_fails_clearly(pair):
     verifier, drafter, _ = pair
     prompt = torch.randint(0, 256, (1, 60))
-    with pytest.raises(SparsedraftError, match="BudgetCache.prefill"):
+    with pytest.raises(SparsedraftError, match="budget_prefill"):
         speculative(verifier, ModelDrafter(drafter, BudgetCache(drafter.cfg, 16, 80)), prompt, 8)
 
 
@@ -67,7 +68,7 @@ def test_grid_and_robustness_table_shapes(pair):
     assert all(torch.equal(a, drafter.state_dict()[k]) for k, a in drafters["trained"].state_dict().items())
     assert torch.equal(drafters["naive"].layers[0].mlp.up_proj.weight, verifier.layers[0].mlp.up_proj.weight)
     grid = acceptance_grid(verifier, drafters, ByteTokenizer(), contexts=(96, 160), budgets=(16, 32, None),
-                           new_tokens=16)
+                           new_tokens=16, trained_budgets=(16, 32, 64))
     assert len(grid) == 2 * 2 * 3 and grid["acceptance_rate"].between(0, 1).all()
     table = robustness_table(verifier, drafters, ByteTokenizer(), contexts=(160,), budgets=(16, 32, None),
                              new_tokens=16)
@@ -78,6 +79,13 @@ def test_grid_and_robustness_table_shapes(pair):
     assert from_grid.equals(table)  # the same prompts give the same table, from one grid
     with pytest.raises(SparsedraftError, match="no rows for budgets"):
         robustness_from_grid(grid, (16, 64))
+
+
+def test_evaluating_an_untrained_budget_is_refused_before_any_forward(pair):
+    verifier, drafter, _ = pair
+    with pytest.raises(SparsedraftError, match=r"budgets \[48\] were not among the drafter's training budgets"):
+        acceptance_grid(verifier, {"trained": drafter}, ByteTokenizer(), contexts=(10**9,), budgets=(16, 48, None),
+                        trained_budgets=(16, 32, 64))
 
 
 def test_simulate_greedy_counts_rounds():

@@ -18,8 +18,8 @@ class Stop(Exception):
 
 
 def config(tmp_path, name, **changes):
-    base = dict(verifier="tiny-llama", layers=1, seq_len=64, sequences=4, eval_sequences=1, budgets=(16, 32),
-                chunk_size=8, obs_window=16, steps=4, warmup=1, checkpoint_every=2, eval_every=2, final_context=0,
+    base = dict(verifier="tiny-llama", layers=1, seq_len=64, continuation=16, sequences=4, eval_sequences=1,
+                budgets=(16, 32), chunk_size=8, obs_window=16, steps=4, warmup=1, checkpoint_every=2, eval_every=2, final_context=0,
                 teacher_dir=str(tmp_path / "teacher"), out_dir=str(tmp_path / name))
     return TrainConfig(**{**base, **changes})
 
@@ -56,6 +56,17 @@ def test_resume_refuses_another_run_and_no_teacher_needs_a_cache(tmp_path):
                       progress=False)
 
 
+def test_a_checkpoint_of_another_view_version_is_refused(tmp_path):
+    train_drafter(config(tmp_path, "a", steps=1), tiny_model("llama"), progress=False)
+    state_file = tmp_path / "a" / "state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({k: v for k, v in state.items() if k != "view_version"}))  # an old run
+    with pytest.raises(SparsedraftError, match="view version 1"):
+        load_drafter(tmp_path / "a")
+    with pytest.raises(SparsedraftError, match="view version 1"):
+        train_drafter(config(tmp_path, "a", steps=2), tiny_model("llama"), progress=False)
+
+
 def test_training_lowers_the_loss_and_the_cli_reports_json(tmp_path, capsys):
     verifier = tiny_model("llama")
     result = train_drafter(config(tmp_path, "long", steps=30, lr=3e-3, eval_every=0, checkpoint_every=30,
@@ -63,7 +74,8 @@ def test_training_lowers_the_loss_and_the_cli_reports_json(tmp_path, capsys):
     losses = [h["loss_a"] for h in result.history if "loss_a" in h]
     assert sum(losses[-5:]) < sum(losses[:5])
     assert {row["budget"] for row in result.final["acceptance"]} == {16, 32, "full"}
-    main(["train-drafter", "--verifier", "tiny-llama", "--layers", "1", "--seq-len", "64", "--sequences", "2",
+    main(["train-drafter", "--verifier", "tiny-llama", "--layers", "1", "--seq-len", "64", "--continuation", "16",
+          "--sequences", "2",
           "--eval-sequences",
           "1", "--budgets", "16", "32", "--steps", "1", "--final-context", "0", "--lam", "0",
           "--teacher-dir", str(tmp_path / "teacher"), "--out-dir", str(tmp_path / "cli")])

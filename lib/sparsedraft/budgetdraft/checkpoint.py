@@ -6,10 +6,12 @@ Layout of ``run_dir``:
   the embedding), loadable for inference by :func:`load_drafter`;
 - ``optimizer.safetensors``: AdamW moments and step counts, keyed
   ``<param index>.<name>``;
-- ``state.json``: step, training config, drafter model config, optimizer
-  hyper-parameters and the metric history. Written last, through a rename, so
+- ``state.json``: view version, step, training config, drafter model config,
+  optimizer hyper-parameters and the metric history. Written last, through a rename, so
   a folder with a ``state.json`` always holds a complete checkpoint.
 
+A folder written under another :data:`~.config.VIEW_VERSION` (a drafter
+trained on a different sparse view) is refused, not loaded silently.
 Nothing is pickled. Data order, budgets and loss positions are drawn from a
 generator seeded by (seed, step), so weights + optimizer + step are the whole
 training state and a resumed run continues bit for bit.
@@ -29,7 +31,7 @@ from ..config import ModelConfig
 from ..errors import require
 from ..model import Transformer
 from ..weights import from_state_dict
-from .config import TrainConfig
+from .config import VIEW_VERSION, TrainConfig
 
 STATE = "state.json"
 
@@ -61,7 +63,7 @@ def save_checkpoint(run_dir: Path, cfg: TrainConfig, drafter: Transformer, optim
     moments = {f"{index}.{name}": value for index, state in opt["state"].items()
                for name, value in state.items() if torch.is_tensor(value)}
     _atomic_save(moments, run_dir / "optimizer.safetensors")
-    state = {"step": step, "config": cfg.to_dict(), "model_config": asdict(drafter.cfg),
+    state = {"view_version": VIEW_VERSION, "step": step, "config": cfg.to_dict(), "model_config": asdict(drafter.cfg),
              "param_groups": opt["param_groups"], "history": history}
     tmp = run_dir / (STATE + ".tmp")
     tmp.write_text(json.dumps(state, indent=1, default=list))
@@ -72,13 +74,20 @@ def has_checkpoint(run_dir: Path) -> bool:
     return (run_dir / STATE).is_file()
 
 
-def _require_checkpoint(run_dir: Path) -> None:
+def read_state(run_dir: Path) -> dict[str, Any]:
+    """The run's ``state.json``, after checking it exists and was written for this view version."""
     require(has_checkpoint(run_dir), f"{run_dir} holds no checkpoint ({STATE} missing); train a drafter first")
+    state = json.loads((run_dir / STATE).read_text())
+    version = state.get("view_version", 1)
+    require(version == VIEW_VERSION,
+            f"{run_dir} holds a drafter trained on BudgetDraft view version {version}, but this code drafts with "
+            f"version {VIEW_VERSION} (a fixed chunk selection from the prefix plus the growing tail); "
+            "retrain it into a new folder or delete the folder")
+    return state
 
 
 def load_checkpoint(run_dir: Path) -> Checkpoint:
-    _require_checkpoint(run_dir)
-    state = json.loads((run_dir / STATE).read_text())
+    state = read_state(run_dir)
     moments: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in load_file(str(run_dir / "optimizer.safetensors")).items():
         index, name = key.split(".", 1)
@@ -94,7 +103,6 @@ def load_drafter(run_dir: str | Path, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> Transformer:
     """A trained drafter for inference (eval mode), from a run folder (weights only: the optimizer
     moments, twice the drafter's size, are not read)."""
-    run_dir = Path(run_dir)
-    _require_checkpoint(run_dir)
-    model_config = ModelConfig(**json.loads((run_dir / STATE).read_text())["model_config"])
-    return from_state_dict(model_config, load_file(str(run_dir / "drafter.safetensors")), dtype=dtype, device=device)
+    model_config = ModelConfig(**read_state(Path(run_dir))["model_config"])
+    return from_state_dict(model_config, load_file(str(Path(run_dir) / "drafter.safetensors")), dtype=dtype,
+                           device=device)

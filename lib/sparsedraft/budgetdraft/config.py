@@ -1,14 +1,13 @@
 """Configuration of a BudgetDraft training run: one frozen, validated dataclass.
 
-Defaults are sized for a CPU (the goal: under 20 minutes on 2 cores) and equal the
-training of notebook 06's cpu profile, so the CLI and the notebook make the
-same drafter: SmolLM2-135M as verifier, a drafter made of its first 3 layers
-(embedding and head copied and frozen), 32 windows of 512 tokens from the
-essays' train split, 200 steps. Training budgets are scaled to the sequence
-length -- at 512 tokens the paper's {256, ..., 2048} would be mostly full
-views -- so {64, 128, 256} keeps 12-50% of the prefix, the range the paper's
-budgets cover at 4K-8K. The inference cache takes any multiple of
-``chunk_size`` regardless.
+Defaults are sized for a CPU (a few minutes of steps on 2 cores): SmolLM2-135M
+as verifier, a drafter made of its first 3 layers (embedding and head copied
+and frozen), 16 windows of 2176 tokens from the essays' train split, 100
+steps. The training budgets are the paper's {256, ..., 2048}, the budgets
+evaluation uses (evaluation refuses budgets a drafter was not trained on), so
+each window is a prefix of 2112 tokens -- longer than the largest budget, or
+that budget would keep the whole prefix and train nothing sparse -- and a
+continuation of 64 drafted tokens that L_C scores.
 """
 
 from __future__ import annotations
@@ -20,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..caches.budget import check_budget
+from ..caches.budget import BUDGETS, check_budget
 from ..errors import require
 
+VIEW_VERSION = 2  # the sparse training view; checkpoints of another version are refused (see checkpoint.py)
 INITS = ("verifier", "scratch")  # anything else is a model spec for sparsedraft.weights.load_model
 DEVICES = ("cpu", "cuda")
 _NOT_SHAPING = ("steps", "eval_every", "eval_sequences", "checkpoint_every", "final_context", "final_tokens",
@@ -39,25 +39,29 @@ class TrainConfig:
     layers: int = field(default=3, metadata={"help": "drafter layers for the verifier/scratch inits"})
     train_embeddings: bool = field(default=False, metadata={"help": "also train the token embedding and head"})
     lam: float = field(default=1.0, metadata={"help": "weight of the sparse-view loss L_C (0 = L_A-only ablation)"})
-    budgets: tuple[int, ...] = field(default=(64, 128, 256),
-                                     metadata={"help": "KV budgets of the sparse view, one sampled per step"})
+    budgets: tuple[int, ...] = field(default=BUDGETS, metadata={
+        "help": "KV budgets of the sparse view, one sampled per step; evaluate only these"})
     chunk_size: int = field(default=8, metadata={"help": "tokens per chunk of the sparse view"})
-    obs_window: int = field(default=32, metadata={"help": "queries before a chunk boundary that score chunks"})
-    seq_len: int = field(default=512, metadata={"help": "tokens per training sequence"})
-    sequences: int = field(default=32, metadata={"help": "training windows from the train split (teacher cost)"})
+    obs_window: int = field(default=32, metadata={
+        "help": "queries before the prefix's partial chunk that score chunks"})
+    seq_len: int = field(default=2176, metadata={"help": "tokens per training window (prefix + continuation)"})
+    continuation: int = field(default=64, metadata={
+        "help": "last tokens of each window drafted through the sparse view (L_C); the rest is the prefix "
+                "whose chunks are selected, and must be longer than every budget"})
+    sequences: int = field(default=16, metadata={"help": "training windows from the train split (teacher cost)"})
     eval_sequences: int = field(default=2, metadata={"help": "held-out windows for the agreement proxy"})
     loss_fraction: float = field(default=0.25, metadata={
         "help": "fraction of positions (sampled per step) that get logits and loss; the 49K-way head dominates"})
     batch: int = field(default=1, metadata={"help": "sequences per step"})
-    steps: int = field(default=200, metadata={"help": "optimizer steps"})
+    steps: int = field(default=100, metadata={"help": "optimizer steps"})
     lr: float = field(default=1e-3, metadata={"help": "peak AdamW learning rate"})
-    warmup: int = field(default=20, metadata={"help": "linear warm-up steps, then cosine decay to lr/10"})
+    warmup: int = field(default=10, metadata={"help": "linear warm-up steps, then cosine decay to lr/10"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     grad_clip: float = field(default=1.0, metadata={"help": "max gradient norm (0 = off)"})
     seed: int = field(default=0, metadata={"help": "seeds init, data order, budgets and loss positions"})
-    eval_every: int = field(default=50, metadata={"help": "steps between agreement evaluations (0 = end only)"})
-    checkpoint_every: int = field(default=50, metadata={"help": "steps between checkpoints"})
-    final_context: int = field(default=2048, metadata={
+    eval_every: int = field(default=25, metadata={"help": "steps between agreement evaluations (0 = end only)"})
+    checkpoint_every: int = field(default=25, metadata={"help": "steps between checkpoints"})
+    final_context: int = field(default=2560, metadata={
         "help": "context of the end-of-run acceptance check with BudgetCache (0 = skip)"})
     final_tokens: int = field(default=64, metadata={"help": "verifier tokens generated for that check"})
     teacher: bool = field(default=True, metadata={"help": "compute missing teacher targets (--no-teacher: "
@@ -74,8 +78,11 @@ class TrainConfig:
         require(self.obs_window >= 1, f"obs_window must be >= 1, got {self.obs_window}")
         require(bool(self.drafter_init), f"drafter_init must be one of {INITS} or a model spec, got ''")
         require(self.layers >= 1, f"layers must be >= 1, got {self.layers}")
-        require(self.seq_len >= 2 * self.chunk_size,
-                f"seq_len ({self.seq_len}) must hold at least two chunks of {self.chunk_size} tokens")
+        require(self.continuation >= 1, f"continuation must be >= 1 token, got {self.continuation}")
+        require(self.prefix_len > max(self.budgets),
+                f"the prefix (seq_len {self.seq_len} - continuation {self.continuation} = {self.prefix_len} "
+                f"tokens) must be longer than the largest budget ({max(self.budgets)}), or that budget keeps the "
+                f"whole prefix and trains nothing sparse; use seq_len > {max(self.budgets) + self.continuation}")
         for name in ("sequences", "batch", "steps", "checkpoint_every"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_sequences", "eval_every", "warmup", "final_context", "final_tokens"):
@@ -86,6 +93,11 @@ class TrainConfig:
                 f"weight_decay and grad_clip must be >= 0, got {self.weight_decay} and {self.grad_clip}")
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
 
+    @property
+    def prefix_len(self) -> int:
+        """Tokens of each window before the continuation: the prompt the sparse view selects chunks from."""
+        return self.seq_len - self.continuation
+
     def shaping(self) -> dict[str, Any]:
         """Fields that decide the weights after a given step (``steps`` is left out so a run can be extended)."""
         return {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
@@ -93,7 +105,8 @@ class TrainConfig:
     @property
     def run_name(self) -> str:
         """Readable and unique: init, layers, lambda, seed, then a hash of :meth:`shaping`."""
-        digest = hashlib.sha256(json.dumps(self.shaping(), sort_keys=True).encode()).hexdigest()[:8]
+        shaping = {**self.shaping(), "view_version": VIEW_VERSION}
+        digest = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:8]
         init = self.drafter_init if self.drafter_init in INITS else "model"
         return f"{init}-k{self.layers}-lam{self.lam:g}-seed{self.seed}-{digest}"
 

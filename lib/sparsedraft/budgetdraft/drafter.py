@@ -1,20 +1,45 @@
-"""A drafter model over a :class:`~sparsedraft.caches.budget.BudgetCache`, for the speculative driver.
+"""Filling a :class:`~sparsedraft.caches.budget.BudgetCache` from a prompt, and the drafter that drafts over it.
 
-:class:`~sparsedraft.speculative.ModelDrafter` prefills with plain forwards,
-but a BudgetCache scores chunks by attention and the cache protocol never
-shows a cache the queries; so this drafter prefills through
-:meth:`BudgetCache.prefill`, which captures them. Everything after the
-prefill (drafting, exact rollback, commit) is ModelDrafter's.
+A BudgetCache keeps the prompt chunks its observation window attended to
+most, but the cache protocol never shows a cache the attention, so the
+prefill belongs here: :func:`budget_prefill` runs the model over the prompt
+(in chunks, bounded memory), captures the observation window's attention
+weights in one last forward, and hands them to :meth:`BudgetCache.select`.
+:class:`BudgetDrafter` prefills that way; everything after (drafting, exact
+rollback, commit) is :class:`~sparsedraft.speculative.ModelDrafter`'s.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..caches.budget import BudgetCache
+from ..caches.budget import BudgetCache, observation_window
 from ..errors import require
-from ..model import Transformer
+from ..generate import prefill
+from ..model import Capture, Transformer
 from ..speculative import DraftContext, ModelDrafter, TargetState
+
+
+@torch.inference_mode()
+def budget_prefill(model: Transformer, cache: BudgetCache, tokens: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Prefill ``tokens`` [B, T] into the (reset) ``cache`` and select its chunks; return the last logits [B, V].
+
+    The tokens before the observation window go through in chunks of
+    ``chunk``; the window and the partial chunk after it (at most
+    ``obs_window + chunk_size - 1`` tokens) go through in one forward whose
+    attention weights [B, H, tokens, T] are captured: small for a drafter, and
+    only the window's rows over the keys before the partial chunk are scored.
+    """
+    require(isinstance(cache, BudgetCache), f"budget_prefill fills a BudgetCache, got {type(cache).__name__}")
+    require(tokens.dim() == 2 and tokens.shape[1] >= 1, f"tokens must be [batch, T >= 1], got {tuple(tokens.shape)}")
+    start, stop = observation_window(tokens.shape[1], cache.chunk_size, cache.obs_window)
+    cache.open_prefix()
+    if start:
+        prefill(model, cache, tokens[:, :start], chunk)
+    capture = Capture(layers=set(range(model.cfg.num_layers)), weights=True)
+    logits = model(tokens[:, start:], cache=cache, last_only=True, capture=capture)
+    cache.select({layer: w[:, :, :stop - start, :stop] for layer, w in capture.attention.items()})
+    return logits[:, -1]
 
 
 class BudgetDrafter(ModelDrafter):
@@ -40,6 +65,6 @@ class BudgetDrafter(ModelDrafter):
         require(prompt.numel() >= 2, f"BudgetDrafter needs a prompt of >= 2 tokens, got {prompt.numel()}")
         self.ctx, self.proposed = ctx, 0
         self.cache.reset()
-        self.cache.prefill(self.model, prompt[None, :-1].to(self.model.device))
+        budget_prefill(self.model, self.cache, prompt[None, :-1].to(self.model.device))
         self.position = prompt.numel() - 1
         self.pending = prompt[-1:].tolist()

@@ -30,7 +30,7 @@ from ..generate import generate, prefill
 from ..model import Transformer
 from ..speculative import speculative
 from .checkpoint import load_checkpoint, load_drafter
-from .drafter import BudgetDrafter
+from .drafter import BudgetDrafter, budget_prefill
 from .init import init_drafter
 
 
@@ -78,7 +78,7 @@ def draft_matches(drafter: Transformer, prompt: torch.Tensor, continuation: torc
         prefill(drafter, cache, body)
     else:
         cache = BudgetCache(drafter.cfg, budget, total, chunk_size, obs_window, dtype=drafter.dtype, device=device)
-        cache.prefill(drafter, body)
+        budget_prefill(drafter, cache, body)
     fed = torch.cat((prompt[-1:], continuation[:-1]))[None].to(device)
     logits = drafter(fed, cache=cache)
     return (logits[0].argmax(-1).cpu() == continuation.cpu())
@@ -109,10 +109,27 @@ def speculative_acceptance(verifier: Transformer, drafter: Transformer, prompt: 
     return AcceptanceStats(level.drafted, level.accepted, level.verifications, stats.generated)
 
 
+def check_trained_budgets(budgets: Sequence[int | None], trained_budgets: Sequence[int] | None) -> None:
+    """Refuse sparse budgets outside ``trained_budgets`` (None: the drafters are untrained, nothing to check).
+
+    A drafter trained on some budgets says nothing about others: BudgetDraft's
+    claim is robustness over the budgets it was trained on.
+    """
+    if trained_budgets is None:
+        return
+    untrained = sorted({b for b in budgets if b is not None} - set(trained_budgets))
+    require(not untrained, f"budgets {untrained} were not among the drafter's training budgets "
+                           f"{sorted(trained_budgets)}; evaluate only those, or train with --budgets covering them")
+
+
 def acceptance_rows(verifier: Transformer, drafters: Mapping[str, Transformer], prompts: Sequence[torch.Tensor],
                     budgets: Sequence[int | None], new_tokens: int = 64, gamma: int = 4, chunk_size: int = 8,
-                    obs_window: int = 32) -> list[dict]:
-    """One row per (prompt, drafter, budget); ``None`` in ``budgets`` is the drafter's full cache."""
+                    obs_window: int = 32, trained_budgets: Sequence[int] | None = None) -> list[dict]:
+    """One row per (prompt, drafter, budget); ``None`` in ``budgets`` is the drafter's full cache.
+
+    ``trained_budgets``: the budgets the trained drafters saw (see :func:`check_trained_budgets`).
+    """
+    check_trained_budgets(budgets, trained_budgets)
     rows = []
     for p, prompt in enumerate(prompts):
         continuation = greedy_continuation(verifier, prompt, new_tokens)
@@ -129,12 +146,15 @@ def acceptance_rows(verifier: Transformer, drafters: Mapping[str, Transformer], 
 def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], tokenizer: Tokenizer,
                     contexts: Sequence[int] = (1024, 2048, 4096, 8192), budgets: Sequence[int | None] = BUDGETS,
                     new_tokens: int = 64, gamma: int = 4, prompts: int = 1, split: str = "heldout",
-                    chunk_size: int = 8, obs_window: int = 32) -> pd.DataFrame:
+                    chunk_size: int = 8, obs_window: int = 32,
+                    trained_budgets: Sequence[int] | None = None) -> pd.DataFrame:
     """Acceptance per (context, drafter, budget), averaged over ``prompts`` held-out windows.
 
     ``context`` counts prompt + generated tokens, so it must fit the verifier's
-    context limit; budgets at or above a context are full caches.
+    context limit; budgets at or above a context are full caches. Pass the
+    training config's ``budgets`` as ``trained_budgets`` to refuse any other.
     """
+    check_trained_budgets(budgets, trained_budgets)
     limit = verifier.cfg.max_position_embeddings
     require(max(contexts) <= limit, f"context {max(contexts)} exceeds the verifier's {limit} tokens; "
                                     f"use contexts <= {limit} (prompt + new tokens)")
@@ -142,7 +162,8 @@ def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], 
     rows = []
     for context in contexts:
         texts = [prompt_tokens(tokenizer, context - new_tokens, split=split, variant=v) for v in range(prompts)]
-        rows += acceptance_rows(verifier, drafters, texts, budgets, new_tokens, gamma, chunk_size, obs_window)
+        rows += acceptance_rows(verifier, drafters, texts, budgets, new_tokens, gamma, chunk_size, obs_window,
+                                trained_budgets)
     frame = pd.DataFrame(rows)
     keys = ["drafter", "context", "budget", "gamma"]
     return frame.groupby(keys, sort=False)[["acceptance_rate", "tokens_per_verification", "top1_agreement"]] \
@@ -152,7 +173,7 @@ def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], 
 def robustness_table(verifier: Transformer, drafters: Mapping[str, Transformer], tokenizer: Tokenizer,
                      contexts: Sequence[int] = (4096, 8192), budgets: Sequence[int | None] = BUDGETS,
                      new_tokens: int = 64, gamma: int = 4, prompts: int = 1, chunk_size: int = 8,
-                     obs_window: int = 32) -> pd.DataFrame:
+                     obs_window: int = 32, trained_budgets: Sequence[int] | None = None) -> pd.DataFrame:
     """The paper's robustness view: acceptance rate, one row per drafter and context, one column per budget.
 
     ``drafters`` would hold e.g. {"naive": untrained init, "lambda=0": L_A-only, "budgetdraft": L_A + L_C}
@@ -160,7 +181,7 @@ def robustness_table(verifier: Transformer, drafters: Mapping[str, Transformer],
     removes. ``None`` in ``budgets`` adds the drafter's full cache as a "full" column (left out of the spread).
     """
     grid = acceptance_grid(verifier, drafters, tokenizer, contexts, list(budgets), new_tokens, gamma, prompts,
-                           chunk_size=chunk_size, obs_window=obs_window)
+                           chunk_size=chunk_size, obs_window=obs_window, trained_budgets=trained_budgets)
     return robustness_from_grid(grid, budgets)
 
 

@@ -3,19 +3,21 @@
 - L_A: cross-entropy of the drafter's full-prefix logits against the
   verifier's greedy tokens x*_t -- greedy verification accepts a draft token
   iff it equals x*_t, so this is the acceptance-aware target.
-- L_C: the same cross-entropy with the drafter attending through the budget-B
-  sparse view of :mod:`.view`, B sampled per step from a budget set, so one
-  drafter learns to agree with the verifier at every sparsity it may be
-  deployed with.
+- L_C: the same cross-entropy at the continuation positions (after the
+  window's prefix of ``prefix_len`` tokens), with the drafter attending
+  through the budget-B drafting view of :mod:`.view`, B sampled per step from
+  a budget set, so one drafter learns to agree with the verifier at every
+  sparsity it may be deployed with.
 
-Both branches run the model's explicit-softmax attention path (a capture of
-all layers): the full branch needs the weights to score chunks, and running
-the sparse branch through the same kernel makes the two differ by the mask
-alone -- with a budget covering the sequence, L_C equals L_A bit for bit.
+The full branch records every layer's post-RoPE queries, keys and values:
+the observation window's queries and keys score the prefix chunks, and the
+prefix keys and values are what the continuation attends to. With a budget
+covering the prefix the sparse view is the full view, and L_C equals the full
+branch's loss at the same positions up to rounding.
 
-Only a sampled subset of positions gets logits: on SmolLM2 the 49K-way head
-costs more than three transformer layers, so the loss reads the final norm's
-output at those positions (a forward hook) and skips the head elsewhere.
+Only a sampled subset of positions gets L_A logits: on SmolLM2 the 49K-way
+head costs more than three transformer layers, so the loss reads the final
+norm's output at those positions (a forward hook) and skips the head elsewhere.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..cache import SequenceView
+from ..errors import require
 from ..model import Capture, Transformer
-from .view import BudgetView, budget_masks
+from .view import BudgetView, RecordingView, kept_prefix
 
 
 @dataclass
@@ -52,42 +54,64 @@ def only_positions(model: Transformer, positions: torch.Tensor | None) -> Iterat
         handle.remove()
 
 
-def full_forward(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """Full-prefix logits and every layer's attention weights [B, H, T, T] (detached)."""
-    capture = Capture(layers=set(range(model.cfg.num_layers)), weights=True)
-    logits = model(tokens, cache=SequenceView(model.cfg.sliding_window), capture=capture)
-    return logits, capture.attention
+@dataclass
+class FullPass:
+    logits: torch.Tensor  # [B, T or len(positions), V]
+    queries: dict[int, torch.Tensor]  # layer -> post-RoPE queries [B, H, T, D] (detached)
+    view: RecordingView  # every layer's keys and values [B, kv_heads, T, D], graph included
 
 
-def sparse_forward(model: Transformer, tokens: torch.Tensor, attention: dict[int, torch.Tensor], budget: int,
+def full_forward(model: Transformer, tokens: torch.Tensor) -> FullPass:
+    """The drafter with its full causal context over ``tokens`` [B, T], recording what the sparse view reuses."""
+    capture = Capture(layers=set(range(model.cfg.num_layers)))
+    view = RecordingView(model.cfg.sliding_window)
+    logits = model(tokens, cache=view, capture=capture)
+    return FullPass(logits, capture.queries, view)
+
+
+def sparse_forward(model: Transformer, tokens: torch.Tensor, full: FullPass, prefix_len: int, budget: int,
                    chunk_size: int, obs_window: int) -> torch.Tensor:
-    """Logits with every position attending through the budget-``budget`` view chosen from ``attention``."""
-    masks = budget_masks(attention, budget, chunk_size, obs_window)
-    same_kernel = Capture(layers=set(range(model.cfg.num_layers)), weights=True)
-    return model(tokens, cache=BudgetView(masks, model.cfg.sliding_window), capture=same_kernel)
+    """Logits [B, T - prefix_len, V] of the continuation drafted through the budget-``budget`` view."""
+    kept = kept_prefix(model, full.queries, full.view.keys, prefix_len, budget, chunk_size, obs_window)
+    positions = torch.arange(prefix_len, tokens.shape[1], device=tokens.device)
+    return model(tokens[:, prefix_len:], positions, cache=BudgetView(full.view.keys, full.view.values, kept))
+
+
+def check_view(model: Transformer, tokens: torch.Tensor, prefix_len: int) -> None:
+    """Fail before any forward when the drafting view cannot be built."""
+    require(model.cfg.sliding_window is None,
+            f"the BudgetDraft view needs a drafter without sliding-window attention (window "
+            f"{model.cfg.sliding_window}), like the BudgetCache it trains for")
+    require(1 <= prefix_len < tokens.shape[1],
+            f"prefix_len ({prefix_len}) must leave a continuation in windows of {tokens.shape[1]} tokens; "
+            f"use 1 <= prefix_len < {tokens.shape[1]}")
 
 
 def budgetdraft_loss(model: Transformer, tokens: torch.Tensor, targets: torch.Tensor, lam: float, budget: int,
-                     chunk_size: int, obs_window: int, positions: torch.Tensor | None = None) -> LossParts:
-    """tokens, targets [B, T]; ``positions`` [P] (default all) get logits and loss."""
+                     prefix_len: int, chunk_size: int, obs_window: int,
+                     positions: torch.Tensor | None = None) -> LossParts:
+    """tokens, targets [B, T]; ``positions`` [P] (default all) get L_A; L_C covers positions >= prefix_len."""
+    check_view(model, tokens, prefix_len)
     wanted = targets if positions is None else targets[:, positions]
     with only_positions(model, positions):
-        logits, attention = full_forward(model, tokens)
-        full = F.cross_entropy(logits.flatten(0, 1).float(), wanted.flatten())
-        if lam == 0:
-            return LossParts(full, full.item(), None)
-        logits = sparse_forward(model, tokens, attention, budget, chunk_size, obs_window)
-    sparse = F.cross_entropy(logits.flatten(0, 1).float(), wanted.flatten())
+        full_pass = full_forward(model, tokens)
+    full = F.cross_entropy(full_pass.logits.flatten(0, 1).float(), wanted.flatten())
+    if lam == 0:
+        return LossParts(full, full.item(), None)
+    logits = sparse_forward(model, tokens, full_pass, prefix_len, budget, chunk_size, obs_window)
+    sparse = F.cross_entropy(logits.flatten(0, 1).float(), targets[:, prefix_len:].flatten())
     return LossParts(full + lam * sparse, full.item(), sparse.item())
 
 
 @torch.no_grad()
 def agreement(model: Transformer, tokens: torch.Tensor, targets: torch.Tensor, budgets: Sequence[int],
-              chunk_size: int, obs_window: int) -> dict[str, float]:
-    """Top-1 agreement with the teacher, full view ("full") and per sparse budget: the acceptance proxy."""
-    logits, attention = full_forward(model, tokens)
-    out = {"full": float((logits.argmax(-1) == targets).float().mean())}
+              prefix_len: int, chunk_size: int, obs_window: int) -> dict[str, float]:
+    """Top-1 agreement with the teacher on the continuation, full view ("full") and per budget: the acceptance proxy."""
+    check_view(model, tokens, prefix_len)
+    full_pass = full_forward(model, tokens)
+    wanted = targets[:, prefix_len:]
+    out = {"full": float((full_pass.logits[:, prefix_len:].argmax(-1) == wanted).float().mean())}
     for budget in budgets:
-        logits = sparse_forward(model, tokens, attention, budget, chunk_size, obs_window)
-        out[str(budget)] = float((logits.argmax(-1) == targets).float().mean())
+        logits = sparse_forward(model, tokens, full_pass, prefix_len, budget, chunk_size, obs_window)
+        out[str(budget)] = float((logits.argmax(-1) == wanted).float().mean())
     return out

@@ -27,7 +27,7 @@ from ..data import ByteTokenizer, Tokenizer, prompt_tokens
 from ..errors import require
 from ..model import Transformer
 from ..weights import from_state_dict, load_model, load_tokenizer
-from .checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import has_checkpoint, load_checkpoint, read_state, save_checkpoint
 from .config import TrainConfig
 from .evaluate import acceptance_rows
 from .init import init_drafter, set_trainable, trainable_parameters
@@ -71,7 +71,7 @@ def default_tokenizer(spec: str) -> Tokenizer:
 def check_resumable(cfg: TrainConfig) -> None:
     """A run folder may only be resumed by the run that made it (before any heavy work)."""
     if has_checkpoint(cfg.run_dir):
-        saved = json.loads((cfg.run_dir / "state.json").read_text())["config"]
+        saved = read_state(cfg.run_dir)["config"]
         saved_shaping = TrainConfig.from_dict(saved).shaping()
         diff = sorted(k for k, v in cfg.shaping().items() if saved_shaping.get(k) != v)
         require(not diff, f"{cfg.run_dir} holds a checkpoint of a different run (fields {diff} differ); "
@@ -102,7 +102,8 @@ def held_out_agreement(cfg: TrainConfig, drafter: Transformer, data: Data) -> di
     drafter.eval()
     device = drafter.device
     scores = [agreement(drafter, data.held_out[i:i + 1].to(device), data.held_targets[i:i + 1].to(device),
-                        cfg.budgets, cfg.chunk_size, cfg.obs_window) for i in range(len(data.held_out))]
+                        cfg.budgets, cfg.prefix_len, cfg.chunk_size, cfg.obs_window)
+              for i in range(len(data.held_out))]
     drafter.train(was_training)
     return {k: sum(s[k] for s in scores) / len(scores) for k in scores[0]} if scores else {}
 
@@ -117,7 +118,7 @@ def train_step(cfg: TrainConfig, drafter: Transformer, optimizer: torch.optim.Op
         group["lr"] = lr
     device = drafter.device
     parts = budgetdraft_loss(drafter, data.windows[index].to(device), data.targets[index].to(device), cfg.lam,
-                             budget, cfg.chunk_size, cfg.obs_window,
+                             budget, cfg.prefix_len, cfg.chunk_size, cfg.obs_window,
                              None if positions is None else positions.to(device))
     parts.total.backward()
     if cfg.grad_clip:
@@ -195,4 +196,4 @@ def final_acceptance(cfg: TrainConfig, verifier: Transformer, drafter: Transform
     prompt = prompt_tokens(tokenizer, cfg.final_context - cfg.final_tokens, split="heldout")
     budgets = [b for b in cfg.budgets if b < prompt.numel()] + [None]
     return acceptance_rows(verifier, {"drafter": drafter}, [prompt], budgets, cfg.final_tokens,
-                           chunk_size=cfg.chunk_size, obs_window=cfg.obs_window)
+                           chunk_size=cfg.chunk_size, obs_window=cfg.obs_window, trained_budgets=cfg.budgets)

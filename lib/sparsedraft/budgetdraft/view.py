@@ -1,20 +1,23 @@
-"""The BudgetCache selection as a training-time view: one forward, every position sparse at once.
+"""The BudgetCache's drafting view as a differentiable training view.
 
-At inference the drafter's prefix is scored once, by the observation window
-before the partial chunk (see :mod:`sparsedraft.caches.budget`). Training
-replays that moment for *every* chunk boundary of a sequence: a query at
-position t, in chunk ``c = t // C``, sees
+A training window of T tokens is split like a drafting run: a prefix of P
+tokens (the prompt) and a continuation (the drafted tokens). The prefix is
+attended causally and in full, as the drafter's prefill does. Its chunks are
+chosen *once*, from the observation window's attention in the full forward,
+by :func:`~sparsedraft.caches.budget.choose_chunks`, the cache's own rule,
+and a continuation query at position t then sees
 
-- its own chunk up to itself (the "partial chunk + recent tokens" of inference);
-- the ``budget // C`` complete chunks before ``c`` with the highest attention
-  from the queries ``[c*C - W, c*C)``, summed over heads, per layer.
+- the chosen complete chunks of the prefix and its partial last chunk;
+- every continuation token up to itself (the growing tail: nothing appended
+  after the prefix is ever dropped).
 
-The attention comes from the drafter's own full-prefix forward (the L_A
-branch), detached: the selection is a discrete choice, the gradient flows
-through the masked attention only. Masks go through :class:`BudgetView`, a
-stateless cache like :class:`~sparsedraft.cache.SequenceView` but with one mask
-per layer. With ``budget >= T`` every earlier chunk is kept, the mask equals
-the causal mask, and the sparse forward is the full forward bit for bit.
+That is the context the cache gives the drafter at every drafted position,
+however many chunk boundaries the continuation crosses. The continuation
+runs as one forward through :class:`BudgetView`, which reuses each layer's
+prefix keys and values from the full forward (recorded, with their graph, by
+:class:`RecordingView`) -- the prefix computation is the full one in both
+views, so it is computed once and L_C's gradient still reaches it. The
+selection itself is a discrete choice, made without gradient.
 """
 
 from __future__ import annotations
@@ -22,65 +25,85 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 
-from ..cache import KVCache, causal_mask
-from ..caches.budget import check_budget, top_chunks
+from ..cache import KVCache, SequenceView, causal_mask
+from ..caches.budget import check_budget, choose_chunks, observation_window
 from ..errors import require
+from ..model import Transformer, attention
 
 
-def budget_masks(attention: Mapping[int, torch.Tensor], budget: int, chunk_size: int,
-                 obs_window: int) -> dict[int, torch.Tensor]:
-    """{layer: softmax weights [B, H, T, T]} -> {layer: bool [B, 1, T, T]} visible keys per query.
+@torch.no_grad()
+def kept_prefix(model: Transformer, queries: Mapping[int, torch.Tensor], keys: Mapping[int, torch.Tensor],
+                prefix_len: int, budget: int, chunk_size: int, obs_window: int) -> dict[int, torch.Tensor]:
+    """{layer: bool [B, prefix_len]}: the prefix keys a budget-``budget`` cache keeps, per layer.
 
-    The masks are not causal by themselves; :class:`BudgetView` adds causality.
+    ``queries`` [B, H, >= P, D] and ``keys`` [B, kv_heads, >= P, D] are the
+    full forward's post-RoPE tensors. Only the observation window's attention
+    is needed, so it is recomputed here by the model's own attention function
+    for those few rows instead of materialising [T, T] weights in the forward.
     """
     check_budget(budget, chunk_size)
     require(obs_window >= 1, f"obs_window must be >= 1 query, got {obs_window}")
-    masks = {}
-    for layer, weights in attention.items():
-        b, _, t, s = weights.shape
-        require(t == s, f"attention of layer {layer} is {tuple(weights.shape)}; the view needs the full-prefix "
-                        "self-attention [B, H, T, T] of one forward")
-        n = -(-t // chunk_size)
-        received = F.pad(weights.float().sum(1), (0, n * chunk_size - t))  # [B, T, n*C]
-        per_chunk = received.view(b, t, n, chunk_size).sum(-1)  # [B, T(query), n(chunk)]
-        boundary = torch.arange(n, device=weights.device)[:, None] * chunk_size
-        query = torch.arange(t, device=weights.device)
-        window = ((query >= boundary - obs_window) & (query < boundary)).float()  # [n, T]
-        scores = window @ per_chunk  # [B, n(boundary), n(chunk)]
-        chunk = torch.arange(n, device=weights.device)
-        earlier = (chunk[None, :] < chunk[:, None]).expand(b, n, n)
-        visible = top_chunks(scores, earlier, budget // chunk_size) | torch.eye(n, dtype=torch.bool,
-                                                                                 device=weights.device)
-        token_chunk = query // chunk_size
-        masks[layer] = visible[:, token_chunk][:, :, token_chunk][:, None]
-    return masks
+    start, stop = observation_window(prefix_len, chunk_size, obs_window)
+    positions = torch.arange(stop, device=model.device)
+    kept = {}
+    for layer, q in queries.items():
+        k = keys[layer][:, :, :stop]
+        mask = causal_mask(positions[None, start:], positions[None], None).expand(q.shape[0], -1, -1, -1)
+        _, weights = attention(q[:, :, start:stop], k, k, mask, model.layers[layer].self_attn.scale,
+                               need_weights=True)  # the values do not matter: only the weights are read
+        chunks = choose_chunks(weights, budget, chunk_size)  # [B, stop // C]
+        partial = chunks.new_ones(chunks.shape[0], prefix_len - stop)
+        kept[layer] = torch.cat((chunks.repeat_interleave(chunk_size, dim=1), partial), dim=1)
+    return kept
+
+
+class RecordingView(SequenceView):
+    """Causal attention over one forward's tokens that keeps every layer's keys and values (graph included)."""
+
+    def __init__(self, window: int | None = None):
+        super().__init__(window)
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [B, kv_heads, T, head_dim]
+        self.values: dict[int, torch.Tensor] = {}
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.keys[layer], self.values[layer] = k, v
+        return super().attend(layer, k, v)
 
 
 class BudgetView(KVCache):
-    """Stateless causal attention over one forward's tokens with a per-layer extra mask (training).
+    """Stateless drafting context for a continuation: kept prefix keys, then the continuation causally.
 
-    ``masks``: {layer: bool [B, 1, T, T]}; layers without an entry attend causally.
+    ``keys``/``values``: {layer: [B, kv_heads, >= P, head_dim]} from a
+    :class:`RecordingView` (only the first P are read); ``kept``: {layer: bool
+    [B, P]} from :func:`kept_prefix`. The forward through it takes the
+    continuation tokens at positions P, P+1, ...
     """
 
-    def __init__(self, masks: Mapping[int, torch.Tensor], window: int | None = None):
-        self.masks, self.window = dict(masks), window
-        self._causal: torch.Tensor | None = None
+    def __init__(self, keys: Mapping[int, torch.Tensor], values: Mapping[int, torch.Tensor],
+                 kept: Mapping[int, torch.Tensor]):
+        self.keys, self.values, self.kept = keys, values, kept
+        self._tail: torch.Tensor | None = None
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor:
-        self._causal = causal_mask(positions, positions, self.window)
+        n = positions.shape[1]
+        self._tail = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
         return positions
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        extra = self.masks.get(layer)
-        return k, v, self._causal if extra is None else self._causal & extra
+        kept = self.kept[layer]
+        b, p = kept.shape
+        n = k.shape[2]
+        keys = torch.cat((self.keys[layer][:, :, :p], k), dim=2)
+        values = torch.cat((self.values[layer][:, :, :p], v), dim=2)
+        mask = torch.cat((kept[:, None, None, :].expand(b, 1, n, p), self._tail.expand(b, 1, n, n)), dim=-1)
+        return keys, values, mask
 
     def end(self) -> None:
-        self._causal = None
+        self._tail = None
 
     def rollback(self, n: int) -> None:
         require(n == 0, "a BudgetView keeps no state to roll back")
 
     def reset(self) -> None:
-        self._causal = None
+        self._tail = None
