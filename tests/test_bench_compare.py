@@ -86,7 +86,7 @@ def test_int8_quantises_baseline_and_truncated_draft_alike(monkeypatch):
 def run_dir(tmp_path_factory):
     """A BudgetDraft run folder: a 1-layer drafter trained a few steps against tiny-llama."""
     tmp = tmp_path_factory.mktemp("bench_compare")
-    cfg = TrainConfig(verifier="tiny-llama", layers=1, seq_len=128, sequences=2, eval_sequences=0, budgets=(32,),
+    cfg = TrainConfig(verifier="tiny-llama", layers=1, seq_len=160, sequences=2, eval_sequences=0, budgets=(32, 64),
                       steps=2, warmup=1, eval_every=0, final_context=0, teacher_dir=str(tmp / "teacher"),
                       out_dir=str(tmp / "run"))
     train_drafter(cfg, progress=False)
@@ -104,6 +104,14 @@ def test_a_budgetdraft_run_folder_plugs_in_everywhere_and_loads_once(run_dir, mo
     assert loads == [draft]
     assert all(r.tokens_match for r in result.rows)
     assert not any(math.isnan(v) for r in result.rows[1:] for v in r.acceptance.values())
+
+
+def test_a_run_folder_refuses_a_budget_it_was_not_trained_on_before_loading(run_dir, monkeypatch):
+    monkeypatch.setattr(sparsedraft.bench.comparison, "load_draft", lambda *a: pytest.fail("loaded a draft"))
+    for method, options in (("budgetdraft", {}), ("spec", {"draft_cache": "budget"})):
+        config = CompareConfig(**TINY, methods=((method, {"draft": str(run_dir), "budget": 96, **options}),))
+        with pytest.raises(SparsedraftError, match="budget 96 was not among"):
+            compare(config)
 
 
 @pytest.mark.parametrize("methods, words", [

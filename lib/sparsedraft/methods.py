@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .budgetdraft.checkpoint import has_checkpoint, load_drafter
+from .budgetdraft.checkpoint import has_checkpoint, load_drafter, read_state
 from .budgetdraft.drafter import BudgetDrafter
 from .caches import StreamingCache, rebuild_policy
 from .caches.retrieval import GROUP_REDUCTIONS
@@ -41,6 +41,15 @@ def _check_draft(draft: Any) -> None:
     require(isinstance(draft, str), f"draft must be a model source string, a Transformer or a Drafter, got {type(draft).__name__}")
     require(not draft.startswith("truncated:") or draft.removeprefix("truncated:").isdigit(),
             f"draft {draft!r}: write truncated:K with K the number of target layers kept")
+
+
+def _check_trained_budget(draft: Any, budget: int) -> None:
+    """A BudgetDraft run folder drafts only at budgets its drafter was trained on (and with this view version)."""
+    if not (isinstance(draft, str) and has_checkpoint(Path(draft))):
+        return
+    trained = read_state(Path(draft))["config"]["budgets"]
+    require(budget in trained, f"budget {budget} was not among the budgets {list(trained)} the drafter in {draft} "
+                               "was trained on; pick one of those or train with this budget")
 
 
 def _check_draft_source(draft: Any) -> None:
@@ -104,6 +113,7 @@ class SpecOptions:
         _check_draft_source(self.draft)
         if self.draft_cache == "budget":
             _check_budget(self.budget, self.chunk_size, prompt_len)
+            _check_trained_budget(self.draft, self.budget)
         if isinstance(self.draft, str) and self.draft.startswith("truncated:"):
             k = int(self.draft.removeprefix("truncated:"))
             require(1 <= k <= cfg.num_layers, f"truncated:{k} needs 1 <= K <= {cfg.num_layers} (the target's layers)")
@@ -127,6 +137,7 @@ class BudgetDraftOptions:
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
         _check_draft_source(self.draft)
         _check_budget(self.budget, self.chunk_size, prompt_len)
+        _check_trained_budget(self.draft, self.budget)
 
 
 @dataclass(frozen=True)
@@ -183,6 +194,7 @@ class TriforceOptions:
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
         _check_draft_source(self.draft)
         _check_budget(self.budget, self.chunk_size, prompt_len)
+        _check_trained_budget(self.draft, self.budget)
 
 
 def load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
