@@ -1,5 +1,31 @@
-"""sparsedraft: lossless long-context speculative decoding with sparse-KV drafts."""
+"""sparsedraft: lossless long-context speculative decoding with sparse-KV drafts.
 
+Where everything is, one hop from here:
+
+- decode anything: :func:`decode` (``sparsedraft.decoding``) with a method from
+  :data:`METHODS` (``sparsedraft.methods``: ar, spec, retrieval, triforce,
+  budgetdraft, each an options dataclass);
+- benchmark: :func:`compare` / :class:`CompareConfig` (the baseline and any
+  methods, one process) and :data:`BENCHES` (``sparsedraft.bench``; the ``ar``
+  bench also times transformers);
+- models: :func:`load_model`, :func:`load_tokenizer`, :class:`Transformer`
+  (one forward for Llama, Mistral, Qwen2, Qwen3), ``sparsedraft.tiny`` for
+  random test models;
+- caches: :class:`StaticCache` (``sparsedraft.cache``, the protocol) and
+  ``sparsedraft.caches`` (StreamingCache, RetrievalCache, BudgetCache, rebuild
+  policies);
+- the decoders themselves: ``sparsedraft.speculative`` (verification,
+  drafters, drivers) and ``sparsedraft.generate`` (plain decoding, the one
+  chunked prefill);
+- BudgetDraft training: ``sparsedraft.budgetdraft``;
+- analyses behind the notebooks: ``sparsedraft.analysis`` (sparsity, locality,
+  cost model, acceptance fits, plots) and ``sparsedraft.roofline`` (bytes and
+  FLOPs per token, measured read bandwidth, hardware datasheets);
+- notebooks: ``sparsedraft.runner`` (``python -m sparsedraft run``) and
+  ``sparsedraft.report`` (what a notebook saves and states).
+"""
+
+from .bench import BENCHES, CompareConfig, compare
 from .cache import KVCache, SequenceView, StaticCache
 from .config import ModelConfig
 from .decoding import DecodeResult, decode
@@ -8,5 +34,6 @@ from .methods import METHODS
 from .model import Capture, Transformer
 from .weights import load_model, load_tokenizer
 
-__all__ = ["METHODS", "Capture", "DecodeResult", "KVCache", "ModelConfig", "SequenceView", "SparsedraftError", "StaticCache",
-           "Transformer", "decode", "load_model", "load_tokenizer"]
+__all__ = ["BENCHES", "METHODS", "Capture", "CompareConfig", "DecodeResult", "KVCache", "ModelConfig",
+           "SequenceView", "SparsedraftError", "StaticCache", "Transformer", "compare", "decode", "load_model",
+           "load_tokenizer"]
