@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from sparsedraft.errors import SparsedraftError
+from sparsedraft.generate import prefill
 from sparsedraft.model import Capture
 from sparsedraft.tiny import TINY_CONFIGS, tiny_model
 
@@ -30,6 +32,25 @@ def test_chunked_prefill_then_verify_block(family):
         parts = [model(ids[:, s:s + 16], cache=cache) for s in range(0, 48, 16)]
         parts.append(model(ids[:, 48:], cache=cache))  # a 2-token block like a small verification
     assert (torch.cat(parts, 1) - full).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("capture_last", [1, 7, 50])  # inside the last chunk, across two chunks, everything
+def test_prefill_returns_last_logits_and_the_last_tokens_queries(capture_last):
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 23))
+    layers = set(range(model.cfg.num_layers))
+    with torch.no_grad():
+        whole = Capture(layers=layers)
+        want = model(ids, capture=whole)[:, -1]
+        capture = Capture(layers=layers)
+        got = prefill(model, model.new_cache(23), ids, 5, capture=capture, capture_last=capture_last)
+    torch.testing.assert_close(got, want)
+    for layer in layers:
+        torch.testing.assert_close(capture.queries[layer], whole.queries[layer][:, :, -min(capture_last, 23):])
+    with pytest.raises(SparsedraftError, match="chunk must be >= 1"):
+        prefill(model, model.new_cache(23), ids, 0)
+    with pytest.raises(SparsedraftError, match="never attention weights"):
+        prefill(model, model.new_cache(23), ids, capture=Capture(layers=layers, weights=True))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

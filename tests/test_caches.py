@@ -8,6 +8,8 @@ from sparsedraft.caches import (AcceptanceBelow, EveryN, MovingAverage, Never, R
                                 rebuild_policy)
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.model import Capture
+from sparsedraft.sampling import SamplingConfig, probabilities
+from sparsedraft.speculative import DraftContext, RetrievalDrafter, Stopwatch, prefill_target
 from sparsedraft.tiny import tiny_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -295,7 +297,7 @@ class SelectedTokensReference(KVCache):
         context = self.k[0].shape[2]
         s = torch.arange(context + t)
         self.mask = ((s[None] < context) | (s[None] - context <= torch.arange(t)[:, None]))[None, None]
-        self.mask = self.mask.expand(BATCH, 1, t, -1)
+        self.mask = self.mask.expand(positions.shape[0], 1, t, -1)
         return positions
 
     def attend(self, layer, k, v):
@@ -376,6 +378,35 @@ def test_sparse_view_attends_to_the_selected_chunks_and_recent_tokens(family, dt
     view.rollback(2)
     reference.rollback(2)
     torch.testing.assert_close(model(seq[:, 43:44], cache=view), model(seq[:, 43:44], cache=reference), **tol)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_retrieval_drafter_view_holds_the_last_prompt_token_once(family):
+    """TriForce's selection: the last prompt token's query over every prompt key, its own included."""
+    model = tiny_model(family)
+    prompt = tokens(42, seed=6)[:1]  # 10 chunks of 4 + 2 recent tokens: the last prompt token is recent
+    state = prefill_target(model, prompt, max_new_tokens=4, capture=True)
+    full, chunk = state.cache, 4
+    drafter = RetrievalDrafter(model, RetrievalCache(model.cfg, budget=16, chunk_size=chunk, spec_slots=4))
+    drafter.start(prompt[0], state, DraftContext(SamplingConfig(), None, Stopwatch()))
+    view = drafter.cache
+    assert view.length == full.length == 42 and drafter.pending == []
+    valid = view.valid_slots()
+    for layer in range(model.cfg.num_layers):
+        last = full.keys(layer)[0, :, 41]  # [kv_heads, D]
+        held = (view.k[layer][0, :, :view.budget][:, valid] == last[:, None]).all(-1).sum(-1)
+        assert held.tolist() == [1] * model.cfg.num_kv_heads
+    selected = []
+    for layer in range(model.cfg.num_layers):
+        chunks = naive_chunks(full.keys(layer), state.queries[layer], chunk, 16, "sum")
+        kept = (chunks[..., None] * chunk + torch.arange(chunk)).flatten(2)[..., :14]
+        selected.append(torch.cat((kept, torch.tensor([40, 41]).expand(1, model.cfg.num_kv_heads, 2)), 2))
+    first = drafter.propose(1)  # from the target's prefill logits: no forward feeds token 41 again
+    assert torch.equal(first.q[0], probabilities(state.logits, SamplingConfig())) and view.spec == 0
+    reference = SelectedTokensReference(full, selected)
+    nxt = first.tokens[None]  # the next query, at position 42, over the selected chunks + tokens 40 and 41
+    torch.testing.assert_close(model(nxt, torch.tensor([42]), view), model(nxt, torch.tensor([42]), reference))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[

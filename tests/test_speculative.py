@@ -18,8 +18,9 @@ from sparsedraft.caches import StreamingCache
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.generate import generate
 from sparsedraft.sampling import SamplingConfig
-from sparsedraft.speculative import (DraftContext, LevelStats, ModelDrafter, NgramDrafter, Stopwatch, retrieval,
-                                     speculative, triforce, truncated_draft, verify_greedy, verify_sampled)
+from sparsedraft.speculative import (DRAFT, REBUILD, RETRIEVAL_LEVEL, SYNC, TARGET, VERIFY, DraftContext, LevelStats,
+                                     ModelDrafter, NgramDrafter, Stopwatch, region, retrieval, speculative, triforce,
+                                     truncated_draft, verify_greedy, verify_sampled)
 from sparsedraft.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,9 +118,10 @@ def test_triforce_stats_name_levels_and_count_rebuilds():
     target = tiny_model("qwen2", 0)
     prompt = make_prompt()
     stats = run_decoder("triforce-far", target, tiny_model("qwen2", 1, num_hidden_layers=1), None, prompt).stats
-    assert [lvl.name for lvl in stats.levels] == ["level2", "target"]
+    assert [lvl.name for lvl in stats.levels] == [RETRIEVAL_LEVEL, TARGET]
     assert stats.rebuilds > 0  # 16 retrieved tokens of ~50 keep level-3 acceptance below 0.9 at times
-    assert {"draft", "verify", "sync", "rebuild", "level2_draft", "level2_verify"} <= set(stats.seconds)
+    assert {DRAFT, VERIFY, SYNC, REBUILD, region(RETRIEVAL_LEVEL, DRAFT), region(RETRIEVAL_LEVEL, VERIFY)} \
+        <= set(stats.seconds)
     stats = retrieval(target, prompt, NEW, gamma=GAMMA, budget=16, chunk_size=4, rebuild="every:8").stats
     assert stats.rebuilds == pytest.approx(NEW / 8, abs=1)
 

@@ -22,8 +22,8 @@ from table_models import (VOCAB, FollowingHistoryCache, HistoryCache, TableModel
                           pair_laws, table_law)
 
 from sparsedraft.sampling import SamplingConfig, probabilities
-from sparsedraft.speculative import (AcceptanceRule, Drafter, ModelDrafter, NgramDrafter, SpeculativeDrafter,
-                                     speculative, standard_acceptance)
+from sparsedraft.speculative import (AcceptanceRule, Drafter, ModelDrafter, NgramDrafter, RetrievalDrafter,
+                                     SpeculativeDrafter, speculative, standard_acceptance)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,10 +51,10 @@ def table_drafter(name: str, acceptance: AcceptanceRule) -> Drafter:
     if name == "ngram":
         return NgramDrafter(VOCAB, max_ngram=2)
     if name == "retrieval":  # the target over a cache that changes its distribution, resynced from the full cache
-        return ModelDrafter(TARGET, FollowingHistoryCache(noise=0.6, spec_slots=GAMMA))
+        return RetrievalDrafter(TARGET, FollowingHistoryCache(noise=0.6, spec_slots=GAMMA))
     if name == "triforce":  # level 2 = target over a following cache, verifying level-1 drafts
         level2 = FollowingHistoryCache(noise=0.7, spec_slots=GAMMA)
-        return SpeculativeDrafter(TARGET, level2, ModelDrafter(DRAFT, HistoryCache()), 2, acceptance)
+        return SpeculativeDrafter(RetrievalDrafter(TARGET, level2), ModelDrafter(DRAFT, HistoryCache()), 2, acceptance)
     raise AssertionError(name)
 
 

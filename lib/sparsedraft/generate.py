@@ -1,7 +1,9 @@
 """Autoregressive generation: the baseline every speedup is measured against.
 
-:func:`prefill` fills a cache in chunks (bounded activation memory at 8K and
-beyond) and returns the last logits; :func:`generate` decodes one token per
+:func:`prefill` fills a cache in chunks of :data:`PREFILL_CHUNK` (bounded
+activation memory at 8K and beyond) and returns the last logits, optionally
+with the last tokens' queries; it is the one prefill loop of the library
+(targets, drafters, analyses); :func:`generate` decodes one token per
 forward and reports prefill and decode times separately, with the device
 synchronised around each timed region.
 """
@@ -9,6 +11,7 @@ synchronised around each timed region.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,8 +19,10 @@ import torch
 
 from .cache import KVCache
 from .errors import require
-from .model import Transformer
+from .model import Capture, Transformer
 from .sampling import SamplingConfig, choose
+
+PREFILL_CHUNK = 1024  # tokens per prefill forward: bounds activation memory on long prompts, for every prefill
 
 
 @dataclass
@@ -48,11 +53,35 @@ def check_prompt(model: Transformer, prompt: torch.Tensor, max_new_tokens: int) 
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, cache: KVCache, prompt: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Run ``prompt`` [B, T] through ``cache`` in chunks; return the last logits [B, V]."""
+def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int = PREFILL_CHUNK, *,
+            capture: Capture | None = None, capture_last: int = 1) -> torch.Tensor:
+    """Run ``tokens`` [B, T] through ``cache`` in chunks of ``chunk``; return the last logits [B, V].
+
+    Positions continue from the cache's length (the model's default). With
+    ``capture``, ``capture.queries[layer]`` ends as the post-RoPE queries
+    [B, H, n, D] of the last ``n = min(capture_last, T)`` tokens for each layer
+    in ``capture.layers``: the last prompt token's query that selects a
+    retrieval cache (n = 1), or every query for the attention analyses (n = T).
+    Only chunks holding those tokens record anything.
+    """
+    require(tokens.dim() == 2 and tokens.shape[1] >= 1,
+            f"tokens must be [batch, T >= 1], got shape {tuple(tokens.shape)}")
+    require(chunk >= 1, f"prefill chunk must be >= 1 token, got {chunk}")
+    require(capture is None or (capture_last >= 1 and not capture.weights),
+            f"a prefill captures the queries of its last capture_last >= 1 tokens (got {capture_last}), never "
+            "attention weights (each chunk sees a different number of keys)")
+    length = tokens.shape[1]
+    first = length - min(capture_last, length)  # first token whose query is recorded
+    parts: dict[int, list[torch.Tensor]] = defaultdict(list)
     logits = None
-    for start in range(0, prompt.shape[1], chunk):
-        logits = model(prompt[:, start:start + chunk], cache=cache, last_only=True)
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        step = Capture(layers=capture.layers) if capture is not None and stop > first else None
+        logits = model(tokens[:, start:stop], cache=cache, last_only=True, capture=step)
+        for layer, q in (step.queries.items() if step is not None else ()):
+            parts[layer].append(q[:, :, max(first - start, 0):])
+    if capture is not None:
+        capture.queries.update({layer: torch.cat(qs, 2) for layer, qs in parts.items()})
     return logits[:, -1]
 
 

@@ -22,6 +22,7 @@ from typing import Iterable, Iterator
 import torch
 
 from ..errors import require
+from ..generate import PREFILL_CHUNK, prefill
 from ..model import Capture, Transformer
 
 
@@ -114,7 +115,7 @@ def check_layers(model: Transformer, layers: Iterable[int] | None) -> list[int]:
 
 @torch.inference_mode()
 def layer_qk(model: Transformer, prompt: torch.Tensor, layers: Iterable[int] | None = None,
-             prefill_chunk: int = 1024) -> Iterator[LayerQK]:
+             prefill_chunk: int = PREFILL_CHUNK) -> Iterator[LayerQK]:
     """Prefill ``prompt`` once and yield each chosen layer's queries and keys (float32 on the model's device)."""
     prompt = as_sequence(prompt).to(model.device)
     length = prompt.shape[1]
@@ -123,15 +124,9 @@ def layer_qk(model: Transformer, prompt: torch.Tensor, layers: Iterable[int] | N
     require(window is None or length <= window,
             f"prompt of {length} tokens exceeds the sliding window ({window}); the analyses assume every query "
             "sees all earlier keys, so use a prompt of at most the window")
-    require(prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {prefill_chunk}")
     cache = model.new_cache(length)
-    parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in chosen}
-    for start in range(0, length, prefill_chunk):
-        capture = Capture(layers=set(chosen))
-        model(prompt[:, start:start + prefill_chunk], cache=cache, last_only=True, capture=capture)
-        for layer in chosen:
-            parts[layer].append(capture.queries[layer][0])
+    capture = Capture(layers=set(chosen))
+    prefill(model, cache, prompt, prefill_chunk, capture=capture, capture_last=length)
     scale = model.cfg.head_dim ** -0.5
     for layer in chosen:
-        queries = torch.cat(parts.pop(layer), 1)
-        yield LayerQK(layer, queries, cache.keys(layer)[0].float(), scale)
+        yield LayerQK(layer, capture.queries.pop(layer)[0], cache.keys(layer)[0].float(), scale)

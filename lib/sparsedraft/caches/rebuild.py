@@ -4,7 +4,10 @@ The retrieval cache is chosen for one query and then only takes in new tokens
 (TriForce's contextual locality). When the text moves on, its drafts get
 rejected more often; a rebuild re-scores every chunk at the cost of reading
 the whole cache. The paper rebuilds when a moving average of acceptance falls
-below a threshold or at a fixed stride; the public code never rebuilds.
+below a threshold or at a fixed stride. The public TriForce code builds once,
+after the prompt: its retrieval cache has a rebuild method (re-select, then
+copy the recent tokens), but its decoding loop only ever syncs new tokens in
+and never reaches that call, so :class:`Never` is what it runs.
 
 Every policy answers ``should_rebuild(tokens_since_build, acceptance)`` where
 ``acceptance`` is the :class:`MovingAverage` of the retrieval-cache (level-2)
@@ -35,7 +38,7 @@ class RebuildPolicy:
 
 @dataclass(frozen=True)
 class Never(RebuildPolicy):
-    """Build once after the prompt (the public TriForce code)."""
+    """Build once after the prompt (what the public TriForce code's decoding loop does)."""
 
     def should_rebuild(self, tokens_since_build: int, acceptance: float | None) -> bool:
         return False

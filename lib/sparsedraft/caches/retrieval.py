@@ -24,7 +24,11 @@ validity mask that the ``[B, 1, T, S]`` mask cannot express.
 
 Lifecycle, driven by the speculative decoder:
 
-1. ``build(full, queries)`` after the prompt (or on a rebuild policy's call);
+1. ``build(full, queries)`` after the prompt, from a full cache holding the
+   whole prompt and the last prompt token's queries, so that token's own key
+   enters the selection as in TriForce (a recent token when its chunk is
+   partial, always kept); or on a rebuild policy's call, with the newest
+   committed token's queries;
 2. level-2 forwards write new tokens into the ``spec_slots`` after the budget;
    the mask shows every filled budget slot plus causal among those tokens;
    ``rollback(n)`` trims them;

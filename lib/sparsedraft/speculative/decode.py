@@ -2,17 +2,18 @@
 
 :func:`speculative` is the whole loop; the hierarchy lives in the drafter:
 TriForce (:func:`triforce`) is :func:`speculative` over a
-:class:`~.drafters.SpeculativeDrafter` (target + retrieval cache) whose own
-drafter is a small model with a streaming cache; "retrieval without
-hierarchy" (:func:`retrieval`) is :func:`speculative` over the target with a
-retrieval cache. The plain autoregressive baseline is
-:func:`sparsedraft.generate.generate`.
+:class:`~.hierarchy.SpeculativeDrafter` whose verifier is the target over a
+retrieval cache (:class:`~.hierarchy.RetrievalDrafter`) and whose own drafter
+is a small model with a streaming cache; "retrieval without hierarchy"
+(:func:`retrieval`) is :func:`speculative` over a RetrievalDrafter. The plain
+autoregressive baseline is :func:`sparsedraft.generate.generate`.
 
-The target prefills the prompt once, then forgets the last prompt token
-(``rollback(1)``): every round feeds ``[pending, drafts...]``, so the first
-generated token is verified like every other and the prefill's last query
-(the last prompt token's, captured on the last chunk) builds the retrieval
-cache. Batch size is 1: acceptance lengths differ per sequence.
+The target prefills the whole prompt once and the drafters start from it (a
+retrieval cache is selected by the last prompt token's query over every
+prompt key, its own included, as in TriForce). Then the target forgets the
+last prompt token (``rollback(1)``): every round feeds ``[pending,
+drafts...]``, so the first generated token is verified like every other.
+Batch size is 1: acceptance lengths differ per sequence.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch
 
 from ..caches import MovingAverage, RebuildPolicy, RetrievalCache, StreamingCache, rebuild_policy
 from ..errors import require
-from ..generate import check_prompt, synchronize
+from ..generate import check_prompt, prefill, synchronize
 from ..model import Capture, Transformer
 from ..sampling import SamplingConfig, probabilities
-from .drafters import DraftContext, Drafter, ModelDrafter, SpeculativeDrafter, TargetState
-from .stats import LevelStats, SpecStats, Stopwatch
+from .drafters import DraftContext, Drafter, ModelDrafter, TargetState
+from .hierarchy import RetrievalDrafter, SpeculativeDrafter
+from .stats import DRAFT, REBUILD, RETRIEVAL_LEVEL, SYNC, TARGET, VERIFY, LevelStats, SpecStats, Stopwatch
 from .verify import AcceptanceRule, standard_acceptance, verify
 
 
@@ -51,18 +53,13 @@ def check_run(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_n
 
 
 @torch.inference_mode()
-def prefill_target(target: Transformer, prompt: torch.Tensor, max_new_tokens: int, capture: bool,
-                   chunk: int = 1024) -> TargetState:
-    """Full cache holding ``prompt`` [1, T] minus its last token, plus that token's queries if ``capture``."""
+def prefill_target(target: Transformer, prompt: torch.Tensor, max_new_tokens: int, capture: bool) -> TargetState:
+    """Full cache holding ``prompt`` [1, T], the logits after it, and its last token's queries if ``capture``."""
     cache = target.new_cache(prompt.shape[1] + max_new_tokens)
     last = Capture(layers=set(range(target.cfg.num_layers))) if capture else None
-    starts = range(0, prompt.shape[1], chunk)
-    for start in starts:
-        target(prompt[:, start:start + chunk], cache=cache, last_only=True,
-               capture=last if start == starts[-1] else None)
-    cache.rollback(1)
+    logits = prefill(target, cache, prompt, capture=last)
     queries = {layer: q[:, :, -1] for layer, q in last.queries.items()} if last else {}
-    return TargetState(cache, queries)
+    return TargetState(cache, queries, logits[0])
 
 
 @torch.inference_mode()
@@ -74,9 +71,9 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
 
     The output has exactly the law of :func:`~sparsedraft.generate.generate`
     with the same ``sampling`` (token for token when greedy). ``rebuild``
-    decides when a drafter whose cache follows the target is rebuilt from the
-    newest token's queries; ``acceptance`` exists to test that a wrong rule
-    is caught.
+    decides when a drafter whose cache follows the target (one that
+    ``needs_target_queries``) is rebuilt from the newest token's queries;
+    ``acceptance`` exists to test that a wrong rule is caught.
     """
     policy = rebuild_policy(rebuild) if isinstance(rebuild, str) else rebuild
     check_run(target, drafter, prompt, max_new_tokens, gamma)
@@ -85,21 +82,24 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
     watch = Stopwatch(target.device)
     synchronize(target.device)
     t0 = time.perf_counter()
-    state = prefill_target(target, prompt, max_new_tokens, capture=drafter.follows_target)
+    state = prefill_target(target, prompt, max_new_tokens, capture=drafter.needs_target_queries)
     drafter.start(prompt[0], state, DraftContext(sampling, generator, watch))
+    full = state.cache
+    full.rollback(1)  # re-fed by the first verification (module docstring)
+    state.logits = None  # they follow the last prompt token, which the full cache no longer holds
     synchronize(target.device)
     t1 = time.perf_counter()
 
-    full, level = state.cache, LevelStats("target")
-    capture = Capture(layers=set(range(target.cfg.num_layers))) if drafter.follows_target else None
+    level = LevelStats(TARGET)
+    capture = Capture(layers=set(range(target.cfg.num_layers))) if drafter.needs_target_queries else None
     recent, since_build, rebuilds = MovingAverage(policy.acceptance_window), 0, 0
     out: list[int] = []
     pending = prompt[:, -1:]
     while len(out) < max_new_tokens:
-        with watch("draft"):
+        with watch(DRAFT):
             proposal = drafter.propose(min(gamma, max_new_tokens - len(out) - 1))  # never overshoot
         g = proposal.tokens.numel()
-        with watch("verify"):
+        with watch(VERIFY):
             positions = torch.arange(full.length, full.length + g + 1, device=target.device)
             logits = target(torch.cat((pending, proposal.tokens[None]), 1), positions, full, capture=capture)
             verdict = verify(proposal.tokens, proposal.q, probabilities(logits[0], sampling),
@@ -111,13 +111,13 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
         pending = torch.tensor([[verdict.token]], device=target.device)
         if capture is not None:
             state.queries = {layer: q[:, :, verdict.accepted] for layer, q in capture.queries.items()}
-        with watch("sync"):
+        with watch(SYNC):
             drafter.commit(verdict.accepted, verdict.token, state)
         since_build += len(new)
         if g:
             recent.add(verdict.accepted / g)
         if policy.should_rebuild(since_build, recent.value):
-            with watch("rebuild"):
+            with watch(REBUILD):
                 if drafter.rebuild(state):
                     rebuilds, since_build = rebuilds + 1, 0
                     recent.reset()
@@ -132,11 +132,11 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
 
 
 def retrieval_drafter(target: Transformer, gamma: int, budget: int, chunk_size: int,
-                      group_reduce: str = "sum") -> ModelDrafter:
+                      group_reduce: str = "sum") -> RetrievalDrafter:
     """The target drafting for itself over a retrieval cache (at most ``gamma`` level-2 tokens between syncs)."""
     cache = RetrievalCache(target.cfg, budget, chunk_size, spec_slots=gamma, dtype=target.dtype,
                            device=target.device, group_reduce=group_reduce)
-    return ModelDrafter(target, cache)
+    return RetrievalDrafter(target, cache)
 
 
 def retrieval(target: Transformer, prompt: torch.Tensor, max_new_tokens: int,
@@ -169,9 +169,8 @@ def triforce_drafter(target: Transformer, draft_model: Transformer | Drafter, ga
         level1 = ModelDrafter(draft_model, StreamingCache(
             draft_model.cfg, sink, window, spec_slots=gamma1 + gamma2, dtype=draft_model.dtype,
             device=draft_model.device, rotary=draft_model.rotary, positions=draft_positions))
-    level2 = RetrievalCache(target.cfg, budget, chunk_size, spec_slots=gamma2, dtype=target.dtype,
-                            device=target.device, group_reduce=group_reduce)
-    return SpeculativeDrafter(target, level2, level1, gamma1, acceptance, "level2")
+    level2 = retrieval_drafter(target, gamma2, budget, chunk_size, group_reduce)
+    return SpeculativeDrafter(level2, level1, gamma1, acceptance, RETRIEVAL_LEVEL)
 
 
 def triforce(target: Transformer, draft_model: Transformer | Drafter, prompt: torch.Tensor, max_new_tokens: int,
@@ -192,6 +191,6 @@ def triforce(target: Transformer, draft_model: Transformer | Drafter, prompt: to
 
 
 def _check_budget(prompt: torch.Tensor, budget: int) -> None:
-    context = prompt.shape[-1] - 1  # the full cache holds the prompt minus its pending last token
+    context = prompt.shape[-1]  # the retrieval cache is built from the whole prompt
     require(budget < context, f"retrieval budget ({budget}) must be smaller than the cached context ({context} "
-                              f"tokens: the prompt minus its last); use a longer prompt or budget < {context}")
+                              f"tokens: the whole prompt); use a longer prompt or budget < {context}")

@@ -15,10 +15,8 @@ deterministic proposer a one-hot; for a drafter that is itself a speculative
 decoder (TriForce level 2) it is its own model's probabilities at that
 position, because speculative sampling emits tokens with exactly that law.
 
-A drafter whose cache is built from the target's full cache (TriForce's
-retrieval cache, see :func:`follows_target`) does not roll back after a
-verification: it copies the committed tokens from the full cache (``sync``),
-and can be rebuilt from the target's latest queries.
+Drafters whose cache follows the target's full cache instead of their own
+forwards (TriForce's level 2) live in :mod:`.hierarchy`.
 """
 
 from __future__ import annotations
@@ -29,13 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCache, StaticCache
+from ..caches import RetrievalCache
 from ..errors import require
+from ..generate import prefill
 from ..model import Transformer
 from ..sampling import SamplingConfig, probabilities
 from .stats import LevelStats, Stopwatch
-from .verify import AcceptanceRule, standard_acceptance, verify
-
-PREFILL_CHUNK = 1024  # tokens per draft prefill forward: bounds activation memory on long prompts
 
 
 @dataclass(frozen=True)
@@ -46,10 +43,17 @@ class Proposal:
 
 @dataclass
 class TargetState:
-    """What a drafter may read from the full-cache target after a verification."""
+    """What a drafter may read from the full-cache target.
 
-    cache: StaticCache  # every committed token except the pending one
+    At ``start`` the cache holds the whole prompt (the driver rolls the last
+    prompt token back afterwards, so that the first verification re-feeds it
+    and verifies the first new token like every other); after a verification
+    it holds every committed token except the pending one.
+    """
+
+    cache: StaticCache
     queries: dict[int, torch.Tensor]  # layer -> [B, heads, head_dim] post-RoPE query of the newest token
+    logits: torch.Tensor | None = None  # [V] at start: the target's logits after the last prompt token
 
 
 @dataclass(frozen=True)
@@ -59,12 +63,6 @@ class DraftContext:
     sampling: SamplingConfig
     generator: torch.Generator | None
     watch: Stopwatch
-
-
-def follows_target(cache: KVCache) -> bool:
-    """Whether ``cache`` is built from the target's full cache instead of from its own model's forwards:
-    it has ``build(full, queries)`` and ``sync(full)``, like the retrieval cache."""
-    return callable(getattr(cache, "build", None)) and callable(getattr(cache, "sync", None))
 
 
 def draw(q: torch.Tensor, ctx: DraftContext) -> int:
@@ -78,7 +76,7 @@ class Drafter(ABC):
     """Interface of every drafter; ``commit`` is built from ``rewind`` and ``push``."""
 
     vocab_size: int
-    follows_target = False  # True: wants the target's queries and is resynced from its full cache
+    needs_target_queries = False  # True: the driver captures the target's queries for start and rebuild
     proposed = 0  # length of the last proposal, not yet committed
 
     def check(self, context: int) -> None:
@@ -116,15 +114,23 @@ class Drafter(ABC):
 
 
 class ModelDrafter(Drafter):
-    """Any model with any cache: a small draft model, a layer-truncated target, or the
-    target itself over a sparse cache (the retrieval cache: TriForce level 2)."""
+    """Any model over a cache it fills itself: a small draft model, a layer-truncated
+    target, or the target over a streaming cache. It also verifies for a nested
+    drafter (:meth:`score`, :meth:`keep`), as the middle level of a hierarchy."""
 
     def __init__(self, model: Transformer, cache: KVCache):
+        self.check_cache(cache)
         self.model, self.cache = model, cache
         self.vocab_size = model.cfg.vocab_size
-        self.follows_target = follows_target(cache)
         self.pending: list[int] = []
         self.position = 0  # true position of pending[0] = tokens whose K/V the cache holds
+        self._scored = 0  # tokens of the last score() call, settled by keep()
+
+    def check_cache(self, cache: KVCache) -> None:
+        """Fail on a cache this drafter cannot fill (before any forward)."""
+        require(not isinstance(cache, RetrievalCache),
+                "a RetrievalCache is built from the target's full cache, not filled by its own model: "
+                "draft over it with RetrievalDrafter(model, cache)")
 
     def check(self, context: int) -> None:
         if isinstance(self.cache, StaticCache):
@@ -135,14 +141,10 @@ class ModelDrafter(Drafter):
     def start(self, prompt: torch.Tensor, target: TargetState, ctx: DraftContext) -> None:
         self.ctx, self.proposed = ctx, 0
         self.cache.reset()
-        if self.follows_target:
-            self.cache.build(target.cache, target.queries)
-            self.position = target.cache.length
-        else:
-            self.position = 0
-            for start in range(0, prompt.numel() - 1, PREFILL_CHUNK):
-                self._forward(prompt[start:min(start + PREFILL_CHUNK, prompt.numel() - 1)].tolist(), True)
-        self.pending = prompt[self.position:].tolist()
+        if prompt.numel() > 1:
+            prefill(self.model, self.cache, prompt[None, :-1].to(self.model.device))
+        self.position = prompt.numel() - 1
+        self.pending = prompt[-1:].tolist()
 
     def _forward(self, tokens: list[int], last_only: bool) -> torch.Tensor:
         """Feed ``tokens`` at their true positions; logits [t, V] (or [1, V])."""
@@ -163,9 +165,23 @@ class ModelDrafter(Drafter):
         if gamma:
             self.pending = feed
         self.proposed = gamma
-        return _proposal(tokens, qs, self.vocab_size, self.model.device)
+        return proposal_of(tokens, qs, self.vocab_size, self.model.device)
 
-    def _rewind_own(self, n: int) -> None:
+    def score(self, tokens: list[int]) -> torch.Tensor:
+        """Cache the pending tokens and ``tokens``; logits [len(tokens) + 1, V]: this model's next-token
+        distribution after the last pending token and after each of ``tokens`` (what verifying them needs)."""
+        logits = self._forward(self.pending + tokens, False)[-(len(tokens) + 1):]
+        self.pending, self._scored = [], len(tokens)
+        return logits
+
+    def keep(self, accepted: int, token: int) -> None:
+        """After :meth:`score`: keep the first ``accepted`` scored tokens and append ``token``, tentatively,
+        as if this drafter had proposed them (its next :meth:`commit` settles them)."""
+        self.rewind(self._scored - accepted)
+        self.push(token)
+        self.proposed += accepted + 1
+
+    def rewind(self, n: int) -> None:
         require(0 <= n <= self.position + len(self.pending), f"cannot rewind {n} tokens")
         from_pending = min(n, len(self.pending))
         del self.pending[len(self.pending) - from_pending:]
@@ -174,97 +190,8 @@ class ModelDrafter(Drafter):
             self.cache.rollback(cached)
             self.position -= cached
 
-    def rewind(self, n: int) -> None:
-        self._rewind_own(n)
-
     def push(self, token: int) -> None:
         self.pending.append(token)
-
-    def commit(self, accepted: int, token: int, target: TargetState | None = None) -> None:
-        if not self.follows_target:
-            self._rewind_own(self.proposed - accepted)
-            self.pending.append(token)
-        else:
-            require(target is not None, "a drafter over a target-following cache must be verified by the "
-                                        "full-cache target (pass its TargetState to commit)")
-            self.cache.sync(target.cache)  # the full cache now holds every committed token but `token`
-            self.position, self.pending = target.cache.length, [token]
-        self.proposed = 0
-
-    def rebuild(self, target: TargetState) -> bool:
-        if not self.follows_target:
-            return False
-        self.cache.build(target.cache, target.queries)
-        return True
-
-
-class SpeculativeDrafter(ModelDrafter):
-    """Drafts its tokens by speculative decoding: ``inner`` proposes ``gamma_inner`` tokens,
-    this drafter's model verifies them over its own cache (TriForce level 2: target +
-    retrieval cache over a level-1 draft with a streaming cache).
-
-    The q it reports is its own model's distribution at each emitted position,
-    the exact law of the token it emits, so the level above stays lossless.
-    """
-
-    def __init__(self, model: Transformer, cache: KVCache, inner: Drafter, gamma_inner: int,
-                 acceptance: AcceptanceRule = standard_acceptance, name: str = "level2"):
-        super().__init__(model, cache)
-        require(gamma_inner >= 1, f"gamma_inner must be >= 1 draft token per inner round, got {gamma_inner}")
-        require(inner.vocab_size == self.vocab_size,
-                f"the inner drafter's vocabulary ({inner.vocab_size}) differs from this drafter's model "
-                f"({self.vocab_size}); both levels must share one tokenizer")
-        self.inner, self.gamma_inner, self.acceptance, self.name = inner, gamma_inner, acceptance, name
-        self.level = LevelStats(name)
-
-    def check(self, context: int) -> None:
-        super().check(context)
-        self.inner.check(context)
-
-    def start(self, prompt: torch.Tensor, target: TargetState, ctx: DraftContext) -> None:
-        super().start(prompt, target, ctx)
-        self.inner.start(prompt, target, ctx)
-        self.level = LevelStats(self.name)
-
-    def propose(self, gamma: int) -> Proposal:
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        ctx = self.ctx
-        while len(tokens) < gamma:
-            # Never overshoot: the last round may verify nothing and emit this model's own token.
-            with ctx.watch(f"{self.name}_draft"):
-                inner = self.inner.propose(min(self.gamma_inner, gamma - len(tokens) - 1))
-            g = inner.tokens.numel()
-            with ctx.watch(f"{self.name}_verify"):
-                logits = self._forward(self.pending + inner.tokens.tolist(), False)[-(g + 1):]
-                p = probabilities(logits, ctx.sampling)  # [g+1, V]
-                verdict = verify(inner.tokens, inner.q, p, ctx.sampling.greedy, ctx.generator, self.acceptance)
-            self.level.record(g, verdict.accepted)
-            self.inner.commit(verdict.accepted, verdict.token)
-            self.pending = []
-            self._rewind_own(g - verdict.accepted)
-            self.pending = [verdict.token]
-            tokens += inner.tokens[:verdict.accepted].tolist() + [verdict.token]
-            qs.append(p[:verdict.accepted + 1])
-        self.proposed = gamma
-        return _proposal(tokens, qs, self.vocab_size, self.model.device)
-
-    def rewind(self, n: int) -> None:
-        self._rewind_own(n)
-        self.inner.rewind(n)
-
-    def push(self, token: int) -> None:
-        super().push(token)
-        self.inner.push(token)
-
-    def commit(self, accepted: int, token: int, target: TargetState | None = None) -> None:
-        rejected = self.proposed - accepted
-        super().commit(accepted, token, target)
-        self.inner.rewind(rejected)
-        self.inner.push(token)
-
-    def levels(self) -> list[LevelStats]:
-        return self.inner.levels() + [self.level]
 
 
 class NgramDrafter(Drafter):
@@ -306,7 +233,8 @@ class NgramDrafter(Drafter):
         self.history = torch.cat((self.history, self.history.new_tensor([token])))
 
 
-def _proposal(tokens: list[int], qs: list[torch.Tensor], vocab: int, device: torch.device) -> Proposal:
+def proposal_of(tokens: list[int], qs: list[torch.Tensor], vocab: int, device: torch.device) -> Proposal:
+    """A Proposal from token ids and their distributions (rows of [V] or [n, V] blocks, in order)."""
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     q = torch.cat([x.reshape(-1, vocab) for x in qs]) if qs else torch.zeros(0, vocab, device=device)
     return Proposal(ids, q)

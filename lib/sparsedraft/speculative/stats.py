@@ -1,7 +1,9 @@
 """What a speculative run reports: acceptance per level, forwards, and where the time went.
 
 Counters live in :class:`LevelStats` (one per verification level) and are
-filled by the drivers and by :class:`~.drafters.SpeculativeDrafter`. Time is
+filled by the drivers and by :class:`~.hierarchy.SpeculativeDrafter`. Level
+and region names are the constants below, so that benchmarks and plots read
+the same strings the decoders write. Time is
 measured only by a :class:`Stopwatch` the driver owns and lends to nested
 drafters, so verification and drafting functions stay free of clocks; every
 timed region synchronises the device, otherwise asynchronous CUDA work would
@@ -19,6 +21,15 @@ from typing import Any, Iterator
 import torch
 
 from ..generate import synchronize
+
+TARGET = "target"  # the full-cache verifier: the last level of every run
+RETRIEVAL_LEVEL = "level2"  # TriForce's middle level: the target over a retrieval cache
+DRAFT, VERIFY, SYNC, REBUILD = "draft", "verify", "sync", "rebuild"  # the driver's timed regions
+
+
+def region(level: str, phase: str) -> str:
+    """Timed region of a nested level's phase: ``region(RETRIEVAL_LEVEL, DRAFT) == "level2_draft"``."""
+    return f"{level}_{phase}"
 
 
 @dataclass
@@ -100,7 +111,7 @@ class SpecStats:
     rebuilds: int  # drafter cache rebuilds triggered by the rebuild policy
     prefill_s: float
     decode_s: float
-    seconds: dict[str, float]  # inclusive time per region: draft, verify, sync, rebuild, level<k>_...
+    seconds: dict[str, float]  # inclusive time per region: DRAFT, VERIFY, SYNC, REBUILD, region(level, phase)
 
     @property
     def tokens_per_iteration(self) -> float:
