@@ -34,8 +34,8 @@ from table_models import (FollowingHistoryCache, HistoryCache, TableModel, alway
                           pair_laws, table_law)
 
 from sparsedraft.sampling import SamplingConfig
-from sparsedraft.speculative import (AcceptanceRule, Drafter, ModelDrafter, Proposal, SpeculativeDrafter, speculative,
-                                     standard_acceptance)
+from sparsedraft.speculative import (AcceptanceRule, Drafter, ModelDrafter, Proposal, RetrievalDrafter,
+                                     SpeculativeDrafter, speculative, standard_acceptance)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -91,7 +91,8 @@ def hierarchy(variant: str) -> tuple[Drafter, AcceptanceRule]:
     level1 = (Level1KeepsQ if variant == "level1-q-upward" else ModelDrafter)(DRAFT, HistoryCache())
     level2_type = {"level1-q-upward": ReportsLevel1Q, "redraw-from-p": RedrawsFromP}.get(variant, SpeculativeDrafter)
     rule = always_accept if variant == "always-accept" else standard_acceptance
-    level2 = level2_type(TARGET, FollowingHistoryCache(LEVEL2_NOISE, spec_slots=GAMMA2), level1, GAMMA1, rule)
+    level2 = level2_type(RetrievalDrafter(TARGET, FollowingHistoryCache(LEVEL2_NOISE, spec_slots=GAMMA2)), level1,
+                         GAMMA1, rule)
     return level2, level2.level3_acceptance if variant == "redraw-from-p" else rule
 
 
