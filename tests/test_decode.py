@@ -12,6 +12,7 @@ import sparsedraft
 from sparsedraft import METHODS, decode, load_model
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.generate import generate
+from sparsedraft.speculative import TARGET
 from sparsedraft.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,7 +47,7 @@ def test_greedy_decode_equals_plain_greedy(model, method):
     if method == "ar":
         assert result.levels == [] and result.decode_tokens == 23
     else:
-        assert result.levels[-1].name == "target" and result.decode_tokens == 24
+        assert result.levels[-1].name == TARGET and result.decode_tokens == 24
         assert sum(lvl.verifications for lvl in result.levels) >= 1
 
 

@@ -59,6 +59,7 @@ import pandas as pd
 from ..config import ModelConfig
 from ..errors import require
 from ..roofline import Hardware, bytes_per_token, ideal_latency_ms
+from ..speculative.stats import DRAFT, RETRIEVAL_LEVEL, TARGET, VERIFY, region
 
 
 @dataclass(frozen=True)
@@ -272,15 +273,17 @@ def measured_level_costs(seconds: dict[str, float], drafted: dict[str, int], ver
     The overhead is the decode time outside those forwards (cache syncs,
     rebuilds, Python) per full-target verification.
     """
-    for key in ("level2_draft", "level2_verify", "verify"):
+    level1, level2, level3 = region(RETRIEVAL_LEVEL, DRAFT), region(RETRIEVAL_LEVEL, VERIFY), VERIFY
+    for key in (level1, level2, level3):
         require(key in seconds, f"no {key!r} region in the run's seconds {sorted(seconds)}: pass a TriForce run")
-    require(drafted.get("level2", 0) > 0 and verifications.get("level2", 0) > 0 and verifications.get("target", 0) > 0,
+    require(drafted.get(RETRIEVAL_LEVEL, 0) > 0 and verifications.get(RETRIEVAL_LEVEL, 0) > 0
+            and verifications.get(TARGET, 0) > 0,
             f"a TriForce run with level-1 drafts is needed, got drafted={drafted}, verifications={verifications}")
-    costs = LevelCosts(draft_ms=1000 * seconds["level2_draft"] / drafted["level2"],
-                       retrieval_ms=1000 * seconds["level2_verify"] / verifications["level2"],
-                       target_ms=1000 * seconds["verify"] / verifications["target"])
-    forwards_s = seconds["level2_draft"] + seconds["level2_verify"] + seconds["verify"]
-    return costs, max(0.0, 1000 * (decode_s - forwards_s) / verifications["target"])
+    costs = LevelCosts(draft_ms=1000 * seconds[level1] / drafted[RETRIEVAL_LEVEL],
+                       retrieval_ms=1000 * seconds[level2] / verifications[RETRIEVAL_LEVEL],
+                       target_ms=1000 * seconds[level3] / verifications[TARGET])
+    forwards_s = seconds[level1] + seconds[level2] + seconds[level3]
+    return costs, max(0.0, 1000 * (decode_s - forwards_s) / verifications[TARGET])
 
 
 @dataclass(frozen=True)

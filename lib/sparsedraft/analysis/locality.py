@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 
 from ..errors import require
+from ..generate import PREFILL_CHUNK
 from ..model import Transformer
 from . import selection
 from .attention import LayerQK, as_sequence, check_positions, layer_qk
@@ -44,7 +45,7 @@ class LocalityConfig:
     chunk_size: int = 8
     share_across_group: bool = True  # GQA: one selection per KV head, as a real cache
     query_block: int = 64
-    prefill_chunk: int = 1024
+    prefill_chunk: int = PREFILL_CHUNK
 
     def __post_init__(self) -> None:
         require(len(self.deltas) > 0 and all(d >= 0 for d in self.deltas),

@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 
 from ..errors import require
+from ..generate import PREFILL_CHUNK
 from ..model import Transformer
 from . import selection
 from .attention import LayerQK, as_sequence, check_positions, layer_qk
@@ -42,7 +43,7 @@ class SparsityConfig:
     h2o_recent_share: float = 0.5  # share of the budget H2O gives its recent window
     share_across_group: bool = True  # GQA: one selection per KV head (as a real cache), else per query head
     query_block: int = 64  # query rows processed at once; bounds memory to ~ heads * block * context
-    prefill_chunk: int = 1024
+    prefill_chunk: int = PREFILL_CHUNK
 
     def __post_init__(self) -> None:
         require(len(self.budgets) > 0, "SparsityConfig.budgets needs at least one budget")

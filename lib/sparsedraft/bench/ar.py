@@ -3,7 +3,7 @@
 Both engines run in the same process, on the same weights and the same essay
 prompt, after identical warm-up runs, with the device synchronised around
 each timed region. Both run the same greedy loop: one prefill forward (ours
-in 1024-token chunks, transformers in one call with its default
+in chunks of :data:`~sparsedraft.generate.PREFILL_CHUNK` tokens, transformers in one call with its default
 ``DynamicCache``), the first token from the prefill logits, then one forward
 per further token. Time per token is :attr:`DecodeResult.ms_per_token` for
 both: decode seconds over the ``new_tokens - 1`` tokens the decode phase
