@@ -43,6 +43,11 @@ def _check_draft(draft: Any) -> None:
             f"draft {draft!r}: write truncated:K with K the number of target layers kept")
 
 
+def _check_streaming(sink: int, window: int, positions: str) -> None:
+    require(positions in POSITION_MODES, f"draft_positions must be one of {POSITION_MODES}, got {positions!r}")
+    require(sink >= 0 and window >= 1, f"need sink >= 0 and window >= 1, got {sink}, {window}")
+
+
 def _check_trained_budget(draft: Any, budget: int) -> None:
     """A BudgetDraft run folder drafts only at budgets its drafter was trained on (and with this view version)."""
     if not (isinstance(draft, str) and has_checkpoint(Path(draft))):
@@ -103,9 +108,7 @@ class SpecOptions:
         _check_draft(self.draft)
         require(self.draft_cache in DRAFT_CACHES, f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         require(self.gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {self.gamma}")
-        require(self.draft_positions in POSITION_MODES,
-                f"draft_positions must be one of {POSITION_MODES}, got {self.draft_positions!r}")
-        require(self.sink >= 0 and self.window >= 1, f"need sink >= 0 and window >= 1, got {self.sink}, {self.window}")
+        _check_streaming(self.sink, self.window, self.draft_positions)
         require(self.draft_cache == "full" or self.draft != "ngram",
                 f"draft_cache {self.draft_cache!r} needs a draft model; prompt lookup (ngram) has no cache")
 
@@ -186,9 +189,7 @@ class TriforceOptions:
                 f"gamma1 and gamma2 must be >= 1, got gamma1={self.gamma1}, gamma2={self.gamma2}")
         require(self.group_reduce in GROUP_REDUCTIONS,
                 f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
-        require(self.draft_positions in POSITION_MODES,
-                f"draft_positions must be one of {POSITION_MODES}, got {self.draft_positions!r}")
-        require(self.sink >= 0 and self.window >= 1, f"need sink >= 0 and window >= 1, got {self.sink}, {self.window}")
+        _check_streaming(self.sink, self.window, self.draft_positions)
         rebuild_policy(self.rebuild)
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
