@@ -1,6 +1,6 @@
 """Weight-only int8 linear layers: a lever that shifts bytes from weights to the KV cache.
 
-On this CPU a 135M model's decode step reads mostly weights, so a sparse KV
+At short context a small model's decode step reads mostly weights, so a sparse KV
 cache alone saves little. Storing linear weights as int8 with one scale per
 output row quarters the weight bytes in fp32 (halves them in bf16) and makes
 the KV cache a larger share of each step -- the balance the papers' GPUs see

@@ -41,7 +41,7 @@ class TrainResult:
     drafter: Transformer
     step: int
     history: list[dict[str, Any]]  # one entry per step; entries with "eval" hold agreement per budget
-    tokens_per_s: float  # training tokens (batch * seq_len per step) per second of optimizer steps, this session
+    tokens_per_s: float  # training tokens (batch * seq_len per step) per second of optimizer steps in this process
     final: dict[str, Any] = field(default_factory=dict)  # end-of-run agreement and BudgetCache acceptance
 
 
