@@ -5,7 +5,7 @@ import random
 import pytest
 
 from sparsedraft.analysis.costmodel import (WALKTHROUGH_COSTS, HierarchySetup, LevelCosts,
-                                            alpha_from_tokens_per_verify, build_schedule, expected_tokens_per_verify,
+                                            build_schedule, expected_tokens_per_verify,
                                             predict_ms_per_token, predict_two_level, speedup_vs_context,
                                             walkthrough_collapse_schedule, walkthrough_normal_schedule)
 from sparsedraft.errors import SparsedraftError
@@ -57,11 +57,10 @@ def test_level_costs_validate():
         LevelCosts(0.0, 14.0, 56.0)
 
 
-def test_expected_tokens_per_verify_formula_and_inverse():
+def test_expected_tokens_per_verify_formula():
     assert expected_tokens_per_verify(0.0, 5) == 1.0
     assert expected_tokens_per_verify(1.0, 5) == 6.0
     assert expected_tokens_per_verify(0.5, 2) == pytest.approx(1.75)
-    assert alpha_from_tokens_per_verify(expected_tokens_per_verify(0.73, 6), 6) == pytest.approx(0.73, abs=1e-9)
 
 
 def test_two_level_prediction():

@@ -187,16 +187,6 @@ def expected_tokens_per_verify(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha == 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def alpha_from_tokens_per_verify(tokens: float, gamma: int) -> float:
-    """Invert :func:`expected_tokens_per_verify` (measured mean accepted + 1 -> α), by bisection."""
-    require(1.0 <= tokens <= gamma + 1, f"tokens per verify must lie in [1, gamma + 1 = {gamma + 1}], got {tokens}")
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if expected_tokens_per_verify(mid, gamma) < tokens else (low, mid)
-    return (low + high) / 2
-
-
 @dataclass(frozen=True)
 class Prediction:
     """Long-run cost of repeated iterations."""
