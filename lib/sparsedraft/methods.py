@@ -43,11 +43,6 @@ def _check_draft(draft: Any) -> None:
             f"draft {draft!r}: write truncated:K with K the number of target layers kept")
 
 
-def _check_streaming(sink: int, window: int, positions: str) -> None:
-    require(positions in POSITION_MODES, f"draft_positions must be one of {POSITION_MODES}, got {positions!r}")
-    require(sink >= 0 and window >= 1, f"need sink >= 0 and window >= 1, got {sink}, {window}")
-
-
 def _check_trained_budget(draft: Any, budget: int) -> None:
     """A BudgetDraft run folder drafts only at budgets its drafter was trained on (and with this view version)."""
     if not (isinstance(draft, str) and has_checkpoint(Path(draft))):
@@ -87,7 +82,22 @@ class ArOptions:
 
 
 @dataclass(frozen=True)
-class SpecOptions:
+class StreamingDraftOptions:
+    """A draft model's StreamingLLM cache (sink + recent window), shared by ``spec`` and ``triforce``."""
+
+    sink: int = field(default=16, metadata={"help": "streaming draft cache: sink tokens"})
+    window: int = field(default=240, metadata={"help": "streaming draft cache: recent-window tokens"})
+    draft_positions: str = field(default="cache", metadata={"help": "streaming draft cache RoPE positions",
+                                                            "choices": POSITION_MODES})
+
+    def __post_init__(self) -> None:
+        require(self.draft_positions in POSITION_MODES,
+                f"draft_positions must be one of {POSITION_MODES}, got {self.draft_positions!r}")
+        require(self.sink >= 0 and self.window >= 1, f"need sink >= 0 and window >= 1, got {self.sink}, {self.window}")
+
+
+@dataclass(frozen=True)
+class SpecOptions(StreamingDraftOptions):
     """A draft proposes ``gamma`` tokens per full-target verification."""
 
     draft: str = field(default="ngram", metadata={
@@ -99,16 +109,12 @@ class SpecOptions:
     gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
     budget: int = field(default=1024, metadata={"help": "tokens of a budget draft cache (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "chunk size of a budget draft cache"})
-    sink: int = field(default=16, metadata={"help": "streaming draft cache: sink tokens"})
-    window: int = field(default=240, metadata={"help": "streaming draft cache: recent-window tokens"})
-    draft_positions: str = field(default="cache", metadata={"help": "streaming draft cache RoPE positions",
-                                                            "choices": POSITION_MODES})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_draft(self.draft)
         require(self.draft_cache in DRAFT_CACHES, f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         require(self.gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {self.gamma}")
-        _check_streaming(self.sink, self.window, self.draft_positions)
         require(self.draft_cache == "full" or self.draft != "ngram",
                 f"draft_cache {self.draft_cache!r} needs a draft model; prompt lookup (ngram) has no cache")
 
@@ -165,7 +171,7 @@ class RetrievalOptions:
 
 
 @dataclass(frozen=True)
-class TriforceOptions:
+class TriforceOptions(StreamingDraftOptions):
     """Level 1 (draft, gamma1) -> level 2 (target + retrieval cache, gamma2) -> level 3 (full target)."""
 
     draft: str = field(default="ngram", metadata={
@@ -175,21 +181,17 @@ class TriforceOptions:
     gamma2: int = field(default=8, metadata={"help": "level-2 tokens per full-target verification"})
     budget: int = field(default=1024, metadata={"help": "retrieval cache tokens (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "retrieval chunk size in tokens"})
-    sink: int = field(default=16, metadata={"help": "level-1 streaming cache: sink tokens"})
-    window: int = field(default=240, metadata={"help": "level-1 streaming cache: recent-window tokens"})
-    draft_positions: str = field(default="cache", metadata={"help": "level-1 streaming cache RoPE positions",
-                                                            "choices": POSITION_MODES})
     rebuild: str = field(default="never", metadata={"help": "retrieval rebuild policy: never, every:N, accept<T[:W]"})
     group_reduce: str = field(default="sum", metadata={"help": "GQA chunk scoring over a KV head's query group",
                                                        "choices": GROUP_REDUCTIONS})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_draft(self.draft)
         require(self.gamma1 >= 1 and self.gamma2 >= 1,
                 f"gamma1 and gamma2 must be >= 1, got gamma1={self.gamma1}, gamma2={self.gamma2}")
         require(self.group_reduce in GROUP_REDUCTIONS,
                 f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
-        _check_streaming(self.sink, self.window, self.draft_positions)
         rebuild_policy(self.rebuild)
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
@@ -245,7 +247,8 @@ def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sampli
 def run_budgetdraft(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
                     opts: BudgetDraftOptions, eos: int | None) -> Outcome:
     return run_spec(target, prompt, n, sampling,
-                    SpecOptions(opts.draft, "budget", opts.gamma, opts.budget, opts.chunk_size), eos)
+                    SpecOptions(draft=opts.draft, draft_cache="budget", gamma=opts.gamma, budget=opts.budget,
+                                chunk_size=opts.chunk_size), eos)
 
 
 def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
