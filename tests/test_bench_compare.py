@@ -106,6 +106,19 @@ def test_a_budgetdraft_run_folder_plugs_in_everywhere_and_loads_once(run_dir, mo
     assert not any(math.isnan(v) for r in result.rows[1:] for v in r.acceptance.values())
 
 
+def test_triforce_retrieval_budget_is_not_the_drafters_budget(run_dir):
+    # level 1 drafts over a streaming cache: a retrieval budget outside the drafter's trained budgets is fine
+    result = compare(CompareConfig(**{**TINY, "new_tokens": 4}, methods=(("triforce", {"draft": str(run_dir),
+                                                                                        "budget": 96}),)))
+    assert result.row("triforce").tokens_match is True
+
+
+def test_a_missing_level1_draft_is_refused_before_loading(monkeypatch):
+    monkeypatch.setattr(sparsedraft.bench.comparison, "load_draft", lambda *a: pytest.fail("loaded a draft"))
+    with pytest.raises(SparsedraftError, match="not found"):
+        compare(CompareConfig(**TINY, methods=(("triforce", {"draft": "./no/such/model.gguf", "budget": 64}),)))
+
+
 def test_a_run_folder_refuses_a_budget_it_was_not_trained_on_before_loading(run_dir, monkeypatch):
     monkeypatch.setattr(sparsedraft.bench.comparison, "load_draft", lambda *a: pytest.fail("loaded a draft"))
     for method, options in (("budgetdraft", {}), ("spec", {"draft_cache": "budget"})):

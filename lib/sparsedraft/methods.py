@@ -150,18 +150,16 @@ class BudgetDraftOptions:
 
 
 @dataclass(frozen=True)
-class RetrievalOptions:
-    """The target over a retrieval cache drafts for itself (no hierarchy)."""
+class RetrievalCacheOptions:
+    """The target's retrieval cache (TriForce's level 2), shared by ``retrieval`` and ``triforce``."""
 
-    gamma: int = field(default=6, metadata={"help": "draft tokens per full-target verification"})
     budget: int = field(default=1024, metadata={"help": "retrieval cache tokens (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "retrieval chunk size in tokens"})
-    rebuild: str = field(default="never", metadata={"help": "rebuild policy: never, every:N, accept<T[:W]"})
+    rebuild: str = field(default="never", metadata={"help": "retrieval rebuild policy: never, every:N, accept<T[:W]"})
     group_reduce: str = field(default="sum", metadata={"help": "GQA chunk scoring over a KV head's query group",
                                                        "choices": GROUP_REDUCTIONS})
 
     def __post_init__(self) -> None:
-        require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
         require(self.group_reduce in GROUP_REDUCTIONS,
                 f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
         rebuild_policy(self.rebuild)  # raises on a malformed policy
@@ -171,7 +169,18 @@ class RetrievalOptions:
 
 
 @dataclass(frozen=True)
-class TriforceOptions(StreamingDraftOptions):
+class RetrievalOptions(RetrievalCacheOptions):
+    """The target over a retrieval cache drafts for itself (no hierarchy)."""
+
+    gamma: int = field(default=6, metadata={"help": "draft tokens per full-target verification"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
+
+
+@dataclass(frozen=True)
+class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
     """Level 1 (draft, gamma1) -> level 2 (target + retrieval cache, gamma2) -> level 3 (full target)."""
 
     draft: str = field(default="ngram", metadata={
@@ -179,25 +188,19 @@ class TriforceOptions(StreamingDraftOptions):
                 "cache); from Python also a Transformer or Drafter"})
     gamma1: int = field(default=4, metadata={"help": "level-1 draft tokens per level-2 verification"})
     gamma2: int = field(default=8, metadata={"help": "level-2 tokens per full-target verification"})
-    budget: int = field(default=1024, metadata={"help": "retrieval cache tokens (multiple of chunk_size)"})
-    chunk_size: int = field(default=8, metadata={"help": "retrieval chunk size in tokens"})
-    rebuild: str = field(default="never", metadata={"help": "retrieval rebuild policy: never, every:N, accept<T[:W]"})
-    group_reduce: str = field(default="sum", metadata={"help": "GQA chunk scoring over a KV head's query group",
-                                                       "choices": GROUP_REDUCTIONS})
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        RetrievalCacheOptions.__post_init__(self)
+        StreamingDraftOptions.__post_init__(self)
         _check_draft(self.draft)
         require(self.gamma1 >= 1 and self.gamma2 >= 1,
                 f"gamma1 and gamma2 must be >= 1, got gamma1={self.gamma1}, gamma2={self.gamma2}")
-        require(self.group_reduce in GROUP_REDUCTIONS,
-                f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
-        rebuild_policy(self.rebuild)
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
+        """The retrieval budget is level 2's; a BudgetDraft drafter at level 1 drafts over a streaming cache,
+        so its trained budgets do not constrain it."""
         _check_draft_source(self.draft)
-        _check_budget(self.budget, self.chunk_size, prompt_len)
-        _check_trained_budget(self.draft, self.budget)
+        super().check(cfg, prompt_len)
 
 
 def load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
