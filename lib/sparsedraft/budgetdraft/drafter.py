@@ -15,13 +15,14 @@ import torch
 
 from ..caches.budget import BudgetCache, observation_window
 from ..errors import require
-from ..generate import prefill
+from ..generate import PREFILL_CHUNK, prefill
 from ..model import Capture, Transformer
 from ..speculative import DraftContext, ModelDrafter, TargetState
 
 
 @torch.inference_mode()
-def budget_prefill(model: Transformer, cache: BudgetCache, tokens: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def budget_prefill(model: Transformer, cache: BudgetCache, tokens: torch.Tensor,
+                   chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """Prefill ``tokens`` [B, T] into the (reset) ``cache`` and select its chunks; return the last logits [B, V].
 
     The tokens before the observation window go through in chunks of
