@@ -23,10 +23,10 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..data import ByteTokenizer, Tokenizer, prompt_tokens
+from ..data import Tokenizer, model_tokenizer, prompt_tokens
 from ..errors import require
 from ..model import Transformer
-from ..weights import from_state_dict, load_model, load_tokenizer
+from ..weights import from_state_dict, load_model
 from .checkpoint import has_checkpoint, load_checkpoint, read_state, save_checkpoint
 from .config import TrainConfig
 from .evaluate import acceptance_rows
@@ -61,11 +61,6 @@ def step_draws(cfg: TrainConfig, step: int, n_windows: int) -> tuple[torch.Tenso
     count = max(1, round(cfg.loss_fraction * cfg.seq_len))
     positions = None if count == cfg.seq_len else torch.randperm(cfg.seq_len, generator=gen)[:count].sort().values
     return windows, budget, positions
-
-
-def default_tokenizer(spec: str) -> Tokenizer:
-    """The verifier's tokenizer; UTF-8 bytes for the random ``tiny-*`` models (vocabulary 256)."""
-    return ByteTokenizer() if spec.startswith("tiny-") else load_tokenizer(spec)
 
 
 def check_resumable(cfg: TrainConfig) -> None:
@@ -144,7 +139,7 @@ def train_drafter(cfg: TrainConfig, verifier: Transformer | None = None, tokeniz
                                         f"({limit}); use --final-context <= {limit}, or 0 to skip the check")
     require(not cfg.final_context or cfg.final_context > cfg.final_tokens + 1,
             f"final_context ({cfg.final_context}) must exceed final_tokens + 1 ({cfg.final_tokens + 1})")
-    tokenizer = tokenizer if tokenizer is not None else default_tokenizer(cfg.verifier)
+    tokenizer = tokenizer if tokenizer is not None else model_tokenizer(cfg.verifier)
     data = load_data(cfg, verifier, tokenizer, progress)
 
     run_dir, step, history, moments = cfg.run_dir, 0, [], None
