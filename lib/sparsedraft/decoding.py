@@ -8,9 +8,9 @@ method.
 Time per token is defined once, here: decode seconds divided by the tokens
 the decode phase emitted (:attr:`DecodeResult.decode_tokens`). Plain decoding
 takes its first token from the prefill logits, so its decode phase emits
-``N - 1`` of ``N`` tokens; a speculative run keeps the last prompt token out of
-its prefill and verifies the first generated token like every other, so its
-decode phase emits all ``N``. Each ratio therefore compares the cost of one
+``N - 1`` of ``N`` tokens; a speculative run rolls the last prompt token back
+after its prefill and verifies the first generated token like every other, so
+its decode phase emits all ``N``. Each ratio therefore compares the cost of one
 emitted token in steady state.
 """
 
