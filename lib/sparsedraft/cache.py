@@ -17,6 +17,8 @@ Every cache follows one protocol, driven by :meth:`Transformer.forward`:
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
 from .config import ModelConfig
@@ -106,6 +108,37 @@ class StaticCache(KVCache):
 
     def values(self, layer: int) -> torch.Tensor:
         return self.v[layer][:, :, :self.length]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The committed tokens as views: ``k{layer}``/``v{layer}`` ``[B, kv_heads, length, head_dim]`` and
+        ``pos`` ``[B, length]``; flat names, so the dict can go to safetensors as it is."""
+        state = {"pos": self.pos[:, :self.length]}
+        for layer in range(len(self.k)):
+            state[f"k{layer}"], state[f"v{layer}"] = self.keys(layer), self.values(layer)
+        return state
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Hold exactly the tokens of ``state`` (from :meth:`state`), copied into this cache's buffers, so the
+        cache it came from is never written: one prefill can seed any number of runs."""
+        layers = len(self.k)
+        names = {"pos", *(f"{kind}{layer}" for kind in "kv" for layer in range(layers))}
+        require(set(state) == names, f"a cache state holds pos, k0..k{layers - 1} and v0..v{layers - 1} for this "
+                                     f"cache's {layers} layers, got {sorted(state)}; it comes from another model")
+        n = state["pos"].shape[-1]
+        require(tuple(state["pos"].shape) == (self.batch, n),
+                f"cache state pos is {tuple(state['pos'].shape)}, this cache takes [{self.batch}, tokens]")
+        require(n <= self.max_len, f"a cache state of {n} tokens does not fit {self.max_len} slots; create the "
+                                   f"cache with max_len >= {n}")
+        expected = (self.batch, self.k[0].shape[1], n, self.k[0].shape[3])
+        for name in names - {"pos"}:
+            require(tuple(state[name].shape) == expected and state[name].dtype == self.k[0].dtype,
+                    f"cache state {name} is {state[name].dtype} {tuple(state[name].shape)}, this cache takes "
+                    f"{self.k[0].dtype} {expected}; it comes from another model, dtype or batch")
+        for layer in range(layers):
+            self.k[layer][:, :, :n] = state[f"k{layer}"]
+            self.v[layer][:, :, :n] = state[f"v{layer}"]
+        self.pos[:, :n] = state["pos"]
+        self.length, self._new, self._mask = n, 0, None
 
 
 class SequenceView(KVCache):

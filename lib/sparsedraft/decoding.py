@@ -12,6 +12,12 @@ takes its first token from the prefill logits, so its decode phase emits
 after its prefill and verifies the first generated token like every other, so
 its decode phase emits all ``N``. Each ratio therefore compares the cost of one
 emitted token in steady state.
+
+One prefill can serve many runs: ``decode(..., prefilled=prefill_prompt(model,
+ids))`` starts every method from a copy of it (:mod:`sparsedraft.prefilled`).
+``prefill_s`` then still counts that prefill's seconds, plus what the run spent
+itself (:attr:`DecodeResult.setup_s`: the copy, a retrieval cache's selection,
+a draft model's own prefill), so ratios of prefill + decode stay honest.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from .errors import require
 from .generate import GenerationResult, check_prompt
 from .methods import METHODS, method_options
 from .model import Transformer
+from .prefilled import PrefilledPrompt
 from .sampling import SamplingConfig
 from .speculative import LevelStats, SpecStats
 
@@ -37,12 +44,13 @@ class DecodeResult:
     method: str
     tokens: torch.Tensor  # [batch, new] generated ids (prompt excluded), on the CPU
     prompt_len: int
-    prefill_s: float  # wall time of the prompt forward(s), including a sparse cache's build
+    prefill_s: float  # wall time of the prompt forward(s), including a sparse cache's build (and a shared prefill)
     decode_s: float  # wall time of the generation loop
     decode_tokens: int  # tokens the decode phase emitted per sequence (see the module docstring)
     levels: list[LevelStats] = field(default_factory=list)  # verifier levels, draft-most first; [] for ar
     stats: SpecStats | None = None  # a speculative run's full record (time per region, rebuilds)
     text: list[str] | None = None  # decoded tokens per sequence when a tokenizer is known
+    shared_prefill_s: float = 0.0  # the part of prefill_s a shared prefill spent (its seconds); 0 without one
 
     @property
     def ms_per_token(self) -> float:
@@ -58,10 +66,16 @@ class DecodeResult:
     def total_s(self) -> float:
         return self.prefill_s + self.decode_s
 
+    @property
+    def setup_s(self) -> float:
+        """Prefill-phase seconds this run spent itself: all of them without a shared prefill, else the copy of
+        it, a retrieval cache's selection and a draft model's own prefill."""
+        return self.prefill_s - self.shared_prefill_s
+
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "tokens": self.tokens.tolist(), "prompt_len": self.prompt_len,
                 "prefill_s": self.prefill_s, "decode_s": self.decode_s, "decode_tokens": self.decode_tokens,
-                "ms_per_token": self.ms_per_token, "levels": [lvl.to_dict() for lvl in self.levels],
+                "ms_per_token": self.ms_per_token, "shared_prefill_s": self.shared_prefill_s, "levels": [lvl.to_dict() for lvl in self.levels],
                 "stats": self.stats.to_dict() if self.stats else None, "text": self.text}
 
 
@@ -92,12 +106,14 @@ def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None) -> torch.Tensor:
 def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_tokens: int = 64, *,
            sampling: SamplingConfig | None = None, temperature: float | None = None, top_p: float | None = None,
            seed: int | None = None, tokenizer: Tokenizer | None = None, eos_token_id: int | None = None,
-           **options: Any) -> DecodeResult:
+           prefilled: PrefilledPrompt | None = None, **options: Any) -> DecodeResult:
     """Generate ``max_new_tokens`` with ``method`` (see :data:`sparsedraft.methods.METHODS` for each one's options).
 
     ``sampling`` (or the ``temperature``/``top_p``/``seed`` shortcuts) sets
     the law; temperature 0 is greedy, where every method returns exactly the
-    tokens of ``method="ar"``. Every option and the prompt are checked before
+    tokens of ``method="ar"``. ``prefilled`` (:func:`~sparsedraft.prefilled.prefill_prompt`
+    of this model and prompt) replaces the prompt forward by a copy of it and is
+    left as it was. Every option, the prompt and the prefill are checked before
     the first forward.
     """
     opts = method_options(method, **options)
@@ -114,12 +130,15 @@ def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_token
                                    "loop over the prompts")
         require(ids.shape[1] >= 2, f"speculative methods need a prompt of >= 2 tokens, got {ids.shape[1]}")
     opts.check(model.cfg, ids.shape[1])
-    outcome = METHODS[method].run(model, ids, max_new_tokens, sampling, opts, eos_token_id)
+    if prefilled is not None:
+        prefilled.check(model, ids)
+    outcome = METHODS[method].run(model, ids, max_new_tokens, sampling, opts, eos_token_id, prefilled)
+    shared = prefilled.seconds if prefilled is not None else 0.0
     text = None if tokenizer is None else [tokenizer.decode(row.tolist()) for row in outcome.tokens]
     if isinstance(outcome, GenerationResult):
         return DecodeResult(method, outcome.tokens, ids.shape[1], outcome.prefill_s, outcome.decode_s,
-                            max(outcome.tokens.shape[1] - 1, 0), text=text)
+                            max(outcome.tokens.shape[1] - 1, 0), text=text, shared_prefill_s=shared)
     s = outcome.stats
     return DecodeResult(method, outcome.tokens, ids.shape[1], s.prefill_s, s.decode_s, s.generated, s.levels, s,
-                        text)
+                        text, shared)
 

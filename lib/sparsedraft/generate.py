@@ -5,7 +5,10 @@ activation memory at 8K and beyond) and returns the last logits, optionally
 with the last tokens' queries; it is the one prefill loop of the library
 (targets, drafters, analyses); :func:`generate` decodes one token per
 forward and reports prefill and decode times separately, with the device
-synchronised around each timed region.
+synchronised around each timed region. Given a
+:class:`~sparsedraft.prefilled.PrefilledPrompt`, it copies that prefill's
+cache and logits instead of running the prompt forward (one prefill shared by
+every decoder of a bench).
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, StaticCache
 from .errors import require
 from .model import Capture, Transformer
 from .sampling import SamplingConfig, choose
+
+if TYPE_CHECKING:
+    from .prefilled import PrefilledPrompt
 
 PREFILL_CHUNK = 1024  # tokens per prefill forward: bounds activation memory on long prompts, for every prefill
 
@@ -28,7 +34,7 @@ PREFILL_CHUNK = 1024  # tokens per prefill forward: bounds activation memory on 
 @dataclass
 class GenerationResult:
     tokens: torch.Tensor  # [B, N] generated ids (prompt excluded)
-    prefill_s: float  # wall time of the prompt forward(s)
+    prefill_s: float  # wall time of the prompt forward(s); with a shared prefill, its seconds plus the copy
     decode_s: float  # wall time of the token-by-token loop
     prompt_len: int
 
@@ -89,15 +95,29 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int,
              sampling: SamplingConfig = SamplingConfig(), cache: KVCache | None = None,
              eos_token_id: int | None = None,
-             on_token: Callable[[torch.Tensor], None] | None = None) -> GenerationResult:
-    """Plain decoding. ``cache`` defaults to a full static cache sized for the run."""
+             on_token: Callable[[torch.Tensor], None] | None = None, *,
+             prefilled: PrefilledPrompt | None = None) -> GenerationResult:
+    """Plain decoding. ``cache`` defaults to a full static cache sized for the run.
+
+    ``prefilled`` (``prefill_prompt(model, prompt)``) starts from a copy of that
+    prefill instead of a prompt forward; it must be this model's prefill of
+    ``prompt``, and it is left as it was.
+    """
     check_prompt(model, prompt, max_new_tokens)
+    if prefilled is not None:
+        prefilled.check(model, prompt)
+        require(cache is None or isinstance(cache, StaticCache),
+                f"a prefill seeds a full StaticCache, got a {type(cache).__name__}; pass no cache or no prefill")
     prompt = prompt.to(model.device)
     cache = cache if cache is not None else model.new_cache(prompt.shape[1] + max_new_tokens, prompt.shape[0])
     gen = sampling.generator(model.device)
     synchronize(model.device)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, prompt)
+    if prefilled is None:
+        logits = prefill(model, cache, prompt)
+    else:
+        cache.load_state(prefilled.cache.state())
+        logits = prefilled.logits.clone()
     synchronize(model.device)
     t1 = time.perf_counter()
     out = []
@@ -114,4 +134,5 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int,
     synchronize(model.device)
     t2 = time.perf_counter()
     tokens = torch.stack(out, 1) if out else prompt.new_zeros(prompt.shape[0], 0)
-    return GenerationResult(tokens.cpu(), t1 - t0, t2 - t1, prompt.shape[1])
+    shared = prefilled.seconds if prefilled is not None else 0.0
+    return GenerationResult(tokens.cpu(), shared + t1 - t0, t2 - t1, prompt.shape[1])

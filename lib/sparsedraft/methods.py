@@ -2,7 +2,8 @@
 
 Each method is an options dataclass (validated on construction, with a
 ``check`` for what depends on the model and the prompt length) and a run
-function over the library's decoders. The CLI and the benchmarks derive their
+function over the library's decoders (each can start from a shared
+:class:`~sparsedraft.prefilled.PrefilledPrompt`). The CLI and the benchmarks derive their
 options from the same dataclasses (:mod:`sparsedraft.cliopts`), so a method
 added to :data:`METHODS` is reachable from Python, the bench and the command
 line at once.
@@ -28,6 +29,7 @@ from .config import ModelConfig
 from .errors import SparsedraftError, require
 from .generate import GenerationResult, generate
 from .model import Transformer
+from .prefilled import PrefilledPrompt
 from .sampling import SamplingConfig
 from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retrieval, speculative, triforce,
                           truncated_draft)
@@ -227,12 +229,12 @@ Outcome = GenerationResult | SpecResult
 
 
 def run_ar(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig, opts: ArOptions,
-           eos: int | None) -> Outcome:
-    return generate(target, prompt, n, sampling, eos_token_id=eos)
+           eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
+    return generate(target, prompt, n, sampling, eos_token_id=eos, prefilled=prefilled)
 
 
 def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig, opts: SpecOptions,
-             eos: int | None) -> Outcome:
+             eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     draft = load_draft(opts.draft, target)
     if draft is None or isinstance(draft, Drafter):
         drafter = _level1(draft, target)
@@ -244,34 +246,36 @@ def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sampli
                                                      positions=opts.draft_positions))
     else:
         drafter = ModelDrafter(draft, draft.new_cache(prompt.shape[1] + n))
-    return speculative(target, drafter, prompt, n, opts.gamma, sampling, eos_token_id=eos)
+    return speculative(target, drafter, prompt, n, opts.gamma, sampling, eos_token_id=eos, prefilled=prefilled)
 
 
 def run_budgetdraft(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
-                    opts: BudgetDraftOptions, eos: int | None) -> Outcome:
+                    opts: BudgetDraftOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     return run_spec(target, prompt, n, sampling,
                     SpecOptions(draft=opts.draft, draft_cache="budget", gamma=opts.gamma, budget=opts.budget,
-                                chunk_size=opts.chunk_size), eos)
+                                chunk_size=opts.chunk_size), eos, prefilled)
 
 
 def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
-                  opts: RetrievalOptions, eos: int | None) -> Outcome:
+                  opts: RetrievalOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     return retrieval(target, prompt, n, sampling, gamma=opts.gamma, budget=opts.budget, chunk_size=opts.chunk_size,
-                     rebuild=opts.rebuild, group_reduce=opts.group_reduce, eos_token_id=eos)
+                     rebuild=opts.rebuild, group_reduce=opts.group_reduce, eos_token_id=eos, prefilled=prefilled)
 
 
 def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
-                 opts: TriforceOptions, eos: int | None) -> Outcome:
+                 opts: TriforceOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     level1 = _level1(load_draft(opts.draft, target), target)
     return triforce(target, level1, prompt, n, sampling, gamma1=opts.gamma1, gamma2=opts.gamma2, budget=opts.budget,
                     chunk_size=opts.chunk_size, sink=opts.sink, window=opts.window, rebuild=opts.rebuild,
-                    group_reduce=opts.group_reduce, draft_positions=opts.draft_positions, eos_token_id=eos)
+                    group_reduce=opts.group_reduce, draft_positions=opts.draft_positions, eos_token_id=eos,
+                    prefilled=prefilled)
 
 
 @dataclass(frozen=True)
 class Method:
     options: type  # frozen dataclass: fields are the method's options (CLI flags too), validated on construction
-    run: Callable[[Transformer, torch.Tensor, int, SamplingConfig, Any, int | None], Outcome]
+    # (target, prompt [B, T], new tokens, sampling, options, eos id, a shared prefill or None) -> outcome
+    run: Callable[[Transformer, torch.Tensor, int, SamplingConfig, Any, int | None, PrefilledPrompt | None], Outcome]
     help: str
 
 

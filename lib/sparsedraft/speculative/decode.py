@@ -13,13 +13,17 @@ retrieval cache is selected by the last prompt token's query over every
 prompt key, its own included, as in TriForce). Then the target forgets the
 last prompt token (``rollback(1)``): every round feeds ``[pending,
 drafts...]``, so the first generated token is verified like every other.
-Batch size is 1: acceptance lengths differ per sequence.
+Given a :class:`~sparsedraft.prefilled.PrefilledPrompt`, the target starts
+from a copy of its cache, logits and queries instead of a prompt forward, and
+the drafters start from that copy (the prefill is never written). Batch size
+is 1: acceptance lengths differ per sequence.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +37,9 @@ from .hierarchy import RetrievalDrafter, SpeculativeDrafter
 from .stats import DRAFT, REBUILD, RETRIEVAL_LEVEL, SYNC, TARGET, VERIFY, LevelStats, SpecStats, Stopwatch
 from .verify import AcceptanceRule, standard_acceptance, verify
 
+if TYPE_CHECKING:
+    from ..prefilled import PrefilledPrompt
+
 
 @dataclass
 class SpecResult:
@@ -40,7 +47,8 @@ class SpecResult:
     stats: SpecStats
 
 
-def check_run(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int, gamma: int) -> None:
+def check_run(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int, gamma: int,
+              prefilled: PrefilledPrompt | None = None) -> None:
     """Every check that can fail before the prefill."""
     require(gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {gamma}")
     check_prompt(target, prompt, max_new_tokens)
@@ -50,12 +58,20 @@ def check_run(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_n
             f"the drafter's vocabulary has {drafter.vocab_size} tokens but the target's has "
             f"{target.cfg.vocab_size}; the draft must use the target's tokenizer")
     drafter.check(prompt.shape[1] + max_new_tokens)
+    if prefilled is not None:
+        prefilled.check(target, prompt)
 
 
 @torch.inference_mode()
-def prefill_target(target: Transformer, prompt: torch.Tensor, max_new_tokens: int, capture: bool) -> TargetState:
-    """Full cache holding ``prompt`` [1, T], the logits after it, and its last token's queries if ``capture``."""
+def prefill_target(target: Transformer, prompt: torch.Tensor, max_new_tokens: int, capture: bool,
+                   prefilled: PrefilledPrompt | None = None) -> TargetState:
+    """Full cache holding ``prompt`` [1, T], the logits after it, and its last token's queries if ``capture``;
+    copied from ``prefilled`` when given (checked by the caller), which stays as it was."""
     cache = target.new_cache(prompt.shape[1] + max_new_tokens)
+    if prefilled is not None:
+        cache.load_state(prefilled.cache.state())
+        queries = {layer: q.clone() for layer, q in prefilled.queries.items()} if capture else {}
+        return TargetState(cache, queries, prefilled.logits[0].clone())
     last = Capture(layers=set(range(target.cfg.num_layers))) if capture else None
     logits = prefill(target, cache, prompt, capture=last)
     queries = {layer: q[:, :, -1] for layer, q in last.queries.items()} if last else {}
@@ -66,23 +82,24 @@ def prefill_target(target: Transformer, prompt: torch.Tensor, max_new_tokens: in
 def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_new_tokens: int,
                 gamma: int = 4, sampling: SamplingConfig = SamplingConfig(), *,
                 rebuild: RebuildPolicy | str = "never", acceptance: AcceptanceRule = standard_acceptance,
-                eos_token_id: int | None = None) -> SpecResult:
+                eos_token_id: int | None = None, prefilled: PrefilledPrompt | None = None) -> SpecResult:
     """Generate ``max_new_tokens`` with ``drafter`` proposing ``gamma`` tokens per target forward.
 
     The output has exactly the law of :func:`~sparsedraft.generate.generate`
     with the same ``sampling`` (token for token when greedy). ``rebuild``
     decides when a drafter whose cache follows the target (one that
     ``needs_target_queries``) is rebuilt from the newest token's queries;
-    ``acceptance`` exists to test that a wrong rule is caught.
+    ``acceptance`` exists to test that a wrong rule is caught. ``prefilled``
+    (``prefill_prompt(target, prompt)``) replaces the prompt forward by a copy.
     """
     policy = rebuild_policy(rebuild) if isinstance(rebuild, str) else rebuild
-    check_run(target, drafter, prompt, max_new_tokens, gamma)
+    check_run(target, drafter, prompt, max_new_tokens, gamma, prefilled)
     prompt = prompt.to(target.device)
     generator = sampling.generator(target.device)
     watch = Stopwatch(target.device)
     synchronize(target.device)
     t0 = time.perf_counter()
-    state = prefill_target(target, prompt, max_new_tokens, capture=drafter.needs_target_queries)
+    state = prefill_target(target, prompt, max_new_tokens, drafter.needs_target_queries, prefilled)
     drafter.start(prompt[0], state, DraftContext(sampling, generator, watch))
     full = state.cache
     full.rollback(1)  # re-fed by the first verification (module docstring)
@@ -126,8 +143,9 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
             break
     synchronize(target.device)
     t2 = time.perf_counter()
+    shared = prefilled.seconds if prefilled is not None else 0.0
     stats = SpecStats(drafter.levels() + [level], len(out), level.verifications, rebuilds,
-                      t1 - t0, t2 - t1, dict(watch.seconds))
+                      shared + t1 - t0, t2 - t1, dict(watch.seconds))
     return SpecResult(torch.tensor([out], dtype=torch.long), stats)
 
 
@@ -142,12 +160,13 @@ def retrieval_drafter(target: Transformer, gamma: int, budget: int, chunk_size: 
 def retrieval(target: Transformer, prompt: torch.Tensor, max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), *, gamma: int = 6, budget: int = 4096,
               chunk_size: int = 8, rebuild: RebuildPolicy | str = "never", group_reduce: str = "sum",
-              acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None) -> SpecResult:
+              acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None,
+              prefilled: PrefilledPrompt | None = None) -> SpecResult:
     """Retrieval without hierarchy: target + retrieval cache drafts ``gamma`` tokens for the full target."""
     _check_budget(prompt, budget)
     drafter = retrieval_drafter(target, gamma, budget, chunk_size, group_reduce)
     return speculative(target, drafter, prompt, max_new_tokens, gamma, sampling, rebuild=rebuild,
-                       acceptance=acceptance, eos_token_id=eos_token_id)
+                       acceptance=acceptance, eos_token_id=eos_token_id, prefilled=prefilled)
 
 
 def triforce_drafter(target: Transformer, draft_model: Transformer | Drafter, gamma1: int, gamma2: int, budget: int,
@@ -177,7 +196,8 @@ def triforce(target: Transformer, draft_model: Transformer | Drafter, prompt: to
              sampling: SamplingConfig = SamplingConfig(), *, gamma1: int = 2, gamma2: int = 6,
              budget: int = 4096, chunk_size: int = 8, sink: int = 16, window: int = 240,
              rebuild: RebuildPolicy | str = "never", group_reduce: str = "sum", draft_positions: str = "cache",
-             acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None) -> SpecResult:
+             acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None,
+             prefilled: PrefilledPrompt | None = None) -> SpecResult:
     """Three levels: draft + streaming cache (gamma1) -> target + retrieval cache (gamma2) -> full target.
 
     Defaults follow the paper (gamma1 = 2, gamma2 = 6, budget 4096 in chunks of
@@ -187,7 +207,7 @@ def triforce(target: Transformer, draft_model: Transformer | Drafter, prompt: to
     drafter = triforce_drafter(target, draft_model, gamma1, gamma2, budget, chunk_size, sink, window,
                                group_reduce, draft_positions, acceptance)
     return speculative(target, drafter, prompt, max_new_tokens, gamma2, sampling, rebuild=rebuild,
-                       acceptance=acceptance, eos_token_id=eos_token_id)
+                       acceptance=acceptance, eos_token_id=eos_token_id, prefilled=prefilled)
 
 
 def _check_budget(prompt: torch.Tensor, budget: int) -> None:

@@ -109,7 +109,7 @@ class SpecStats:
     generated: int  # tokens emitted
     target_forwards: int  # full-cache target forwards after prefill (one per outer verification)
     rebuilds: int  # drafter cache rebuilds triggered by the rebuild policy
-    prefill_s: float
+    prefill_s: float  # prompt forward (a shared prefill's seconds) + cache copies, builds and draft prefills
     decode_s: float
     seconds: dict[str, float]  # inclusive time per region: DRAFT, VERIFY, SYNC, REBUILD, region(level, phase)
 

@@ -1,0 +1,162 @@
+"""An opt-in disk cache of prefilled prompts, so a prompt is prefilled once across processes and notebooks.
+
+Each entry is one safetensors file (tensors and string metadata only: loading
+never unpickles) holding a :class:`~sparsedraft.prefilled.PrefilledPrompt`:
+the prompt, the full cache's committed keys, values and positions, the last
+logits and the last token's queries. It is named by a hash of its key -- the
+model's identity (:func:`~sparsedraft.prefilled.model_identity`: source,
+config with RoPE theta, scaling and maximum context, dtype, device type, a
+hash of every weight) and a hash of the prompt's ids -- and stores that key
+with a checksum of its tensors. A read verifies both, so a file from another
+key, a damaged or a truncated one is never used: it is deleted with a
+one-line warning and the prefill is computed again. The device type is part
+of the key because kernels differ: a prefill from the GPU would not give the
+CPU's tokens.
+
+The folder is capped (``max_bytes``, 4 GiB by default): after each write the
+least recently used entries go first, a hit counting as a use (it touches the
+file's modification time). Writes go through a temporary file and a rename,
+so a crash never leaves a half-written entry under an entry's name. Keep the
+folder under ``data/cache/`` (git-ignored), e.g. ``data/cache/prefill``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .errors import SparsedraftError, require
+from .generate import synchronize
+from .model import Transformer
+from .prefilled import PrefilledPrompt, as_prompt, first_difference, model_identity, tensor_digest
+
+FORMAT = 1  # bump when the layout of an entry changes: older entries then miss
+SUFFIX = ".safetensors"
+GiB = 2 ** 30
+DEFAULT_MAX_BYTES = 4 * GiB
+CACHE_PREFIX = "cache."  # tensor names of the full cache's state, beside tokens, logits and q{layer}
+
+
+def entry_key(identity: dict[str, Any], tokens: torch.Tensor) -> dict[str, Any]:
+    """What an entry must match: the layout version, the model's identity and the prompt's ids."""
+    return {"format": FORMAT, **identity, "prompt": tensor_digest([("tokens", tokens.cpu())]),
+            "prompt_shape": list(tokens.shape)}
+
+
+class PrefillStore:
+    """A folder of prefilled prompts, at most ``max_bytes`` of them (least recently used evicted first)."""
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES):
+        require(max_bytes > 0, f"the prefill cache's size cap must be > 0 bytes, got {max_bytes}")
+        self.root, self.max_bytes = Path(root), int(max_bytes)
+
+    def path(self, key: dict[str, Any]) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        return self.root / f"{digest[:32]}{SUFFIX}"
+
+    def load(self, model: Transformer, prompt: torch.Tensor | Sequence[int]) -> PrefilledPrompt | None:
+        """``model``'s prefill of ``prompt`` if stored and intact; None otherwise (a damaged entry is
+        deleted with a warning, so the caller computes it again)."""
+        tokens = as_prompt(prompt)
+        key = entry_key(model_identity(model), tokens)
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        try:
+            found = self._read(path, key, model)
+        except SparsedraftError as exc:
+            warnings.warn(f"prefill cache: {exc}; deleted it, prefilling again", stacklevel=2)
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)  # a hit is a use: least recently used entries are evicted first
+        return found
+
+    def _read(self, path: Path, key: dict[str, Any], model: Transformer) -> PrefilledPrompt:
+        start = time.perf_counter()
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise SparsedraftError(f"{path} is not a readable safetensors file (damaged or truncated: {exc})") from exc
+        try:
+            stored = json.loads(meta.get("key", ""))
+        except json.JSONDecodeError:
+            raise SparsedraftError(f"{path} has no readable key in its metadata") from None
+        differs = first_difference(key, stored)
+        require(differs is None, f"{path} was stored for another key ({differs}, wanted vs stored)")
+        require(meta.get("checksum") == tensor_digest(sorted(tensors.items())),
+                f"{path} does not match its checksum (damaged)")
+        device = model.device
+        tokens = tensors.pop("tokens")
+        cache = model.new_cache(tokens.shape[1], tokens.shape[0])
+        cache.load_state({name.removeprefix(CACHE_PREFIX): t for name, t in tensors.items()
+                          if name.startswith(CACHE_PREFIX)})
+        queries = {int(name[1:]): t.to(device) for name, t in tensors.items() if name.startswith("q")}
+        logits = tensors["logits"].to(device)
+        synchronize(device)
+        return PrefilledPrompt(tokens, cache, logits, queries, model_identity(model), float(meta["seconds"]),
+                               str(path), time.perf_counter() - start)
+
+    def save(self, prefilled: PrefilledPrompt) -> Path | None:
+        """Write ``prefilled`` (replacing an entry of the same key), then evict down to the cap; the path,
+        or None when the entry alone is over the cap and so was not kept."""
+        key = entry_key(prefilled.model, prefilled.tokens)
+        tensors = {"tokens": prefilled.tokens, "logits": prefilled.logits,
+                   **{f"q{layer}": q for layer, q in prefilled.queries.items()},
+                   **{CACHE_PREFIX + name: t for name, t in prefilled.cache.state().items()}}
+        tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+        meta = {"key": json.dumps(key, sort_keys=True), "checksum": tensor_digest(sorted(tensors.items())),
+                "seconds": repr(prefilled.seconds)}
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            save_file(tensors, str(partial), metadata=meta)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+        self.evict()
+        if path.exists():
+            return path
+        warnings.warn(f"prefill cache: an entry of {tensor_bytes(tensors) / GiB:.2f} GiB is over the cap of "
+                      f"{self.max_bytes / GiB:.2f} GiB; not kept", stacklevel=2)
+        return None
+
+    def entries(self) -> list[tuple[Path, int]]:
+        """(file, bytes) of every entry, least recently used first."""
+        found = []
+        for path in self.root.glob(f"*{SUFFIX}"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # another process evicted it meanwhile
+                continue
+            found.append((stat.st_mtime_ns, path, stat.st_size))
+        return [(path, size) for _, path, size in sorted(found)]
+
+    def evict(self) -> list[Path]:
+        """Delete least recently used entries until the rest fit the cap; the deleted files."""
+        entries = self.entries()
+        total = sum(size for _, size in entries)
+        removed = []
+        for path, size in entries:
+            if total <= self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+            removed.append(path)
+        return removed
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of the tensors an entry holds (its file is this plus a small header)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,155 @@
+"""One prefill per prompt, shared by plain decoding and every speculative method.
+
+At 8K tokens the prompt forward costs as much as hundreds of decode steps, and
+a bench of AR and three methods used to pay it once per run. A
+:class:`PrefilledPrompt` holds everything a decoder takes from the prefill: the
+target's full cache holding exactly the prompt, the logits after its last
+token, and that token's post-RoPE queries (which select a retrieval cache).
+Decoders copy the cache into one of their own (:meth:`StaticCache.load_state`)
+and never write to the prefilled one, so one prefill seeds any number of runs,
+each token for token equal to a run that prefilled itself: the copy holds the
+same numbers the run's own chunked prefill would have written. A draft model
+with its own cache (a separate model, ``truncated:K``, a BudgetDraft drafter)
+still prefills that cache itself.
+
+A prefill remembers the model that made it (:func:`model_identity`: source,
+config with its RoPE settings, dtype, device type and a hash of every weight),
+and :meth:`PrefilledPrompt.check` refuses another model or prompt before a
+decoder does any work. The same identity keys the disk cache
+(:mod:`sparsedraft.prefill_store`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import torch
+
+from .cache import StaticCache
+from .errors import require
+from .generate import PREFILL_CHUNK, check_prompt, prefill, synchronize
+from .model import Capture, Transformer
+
+if TYPE_CHECKING:
+    from .prefill_store import PrefillStore
+
+
+def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over each tensor's name, dtype, shape and bytes, in the order given."""
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def weights_digest(model: Transformer) -> str:
+    """:func:`tensor_digest` of every parameter and buffer; remembered on the model until one of its tensors is
+    replaced or written in place (a storage address or version counter changes), so checks stay cheap."""
+    tensors = sorted(model.state_dict(keep_vars=True).items())
+    tracked = not any(t.is_inference() for _, t in tensors)  # inference tensors keep no version counter
+    stamp = tuple((name, t.data_ptr(), t._version) for name, t in tensors) if tracked else None
+    memo = getattr(model, "_sparsedraft_weights_digest", None)
+    if memo is None or memo[0] is None or memo[0] != stamp:
+        memo = (stamp, tensor_digest(tensors))
+        model._sparsedraft_weights_digest = memo
+    return memo[1]
+
+
+def model_identity(model: Transformer) -> dict[str, Any]:
+    """What makes two models give the same prefill: source, config (RoPE theta, scaling and maximum
+    context included), dtype, device type and weights. JSON-ready."""
+    config = {k: dict(v) if k == "rope_scaling" else v for k, v in dataclasses.asdict(model.cfg).items()}
+    return {"source": getattr(model, "source", None), "config": config,
+            "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type,
+            "weights": weights_digest(model)}
+
+
+def first_difference(mine: Any, theirs: Any, path: str = "") -> str | None:
+    """The first field where two JSON-like values differ, as ``"config.rope_theta: 10000.0 vs 500000.0"``."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for key in sorted(set(mine) | set(theirs)):
+            found = first_difference(mine.get(key), theirs.get(key), f"{path}.{key}" if path else key)
+            if found:
+                return found
+        return None
+    return None if mine == theirs else f"{path}: {mine!r} vs {theirs!r}"
+
+
+def as_prompt(prompt: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Token ids as ``[batch, tokens]`` long (a ``[tokens]`` tensor or a list of ids is one sequence)."""
+    ids = torch.as_tensor(prompt).long()
+    require(ids.dim() in (1, 2), f"a prompt is [tokens] or [batch, tokens] ids, got {ids.dim()}-D")
+    return ids if ids.dim() == 2 else ids[None]
+
+
+@dataclass(frozen=True)
+class PrefilledPrompt:
+    tokens: torch.Tensor  # [B, T] the prompt's ids, on the CPU
+    cache: StaticCache  # the target's full cache holding exactly the T prompt tokens; decoders copy it, never write it
+    logits: torch.Tensor  # [B, V] the target's logits after the last prompt token, on the model's device
+    queries: dict[int, torch.Tensor]  # layer -> [B, heads, head_dim] post-RoPE queries of the last prompt token
+    model: dict[str, Any]  # model_identity() of the model that computed it
+    seconds: float  # wall time of the prompt forward where it was computed (a disk copy keeps that time)
+    loaded_from: str | None = None  # the file it was read from; None when computed in this process
+    load_s: float = 0.0  # seconds reading and verifying that file
+
+    @property
+    def prompt_len(self) -> int:
+        return self.tokens.shape[1]
+
+    def check(self, model: Transformer, prompt: torch.Tensor) -> None:
+        """Fail with the problem and its fix unless this prefill is ``model``'s for ``prompt`` [B, T]."""
+        fix = "prefill this prompt with this model (prefill_prompt(model, prompt)) or pass no prefill"
+        require(tuple(prompt.shape) == tuple(self.tokens.shape) and torch.equal(prompt.cpu(), self.tokens),
+                f"the prefill holds a prompt of shape {tuple(self.tokens.shape)} that is not the prompt given "
+                f"(shape {tuple(prompt.shape)}); {fix}")
+        require(self.cache.length == self.prompt_len,
+                f"the prefill's cache holds {self.cache.length} tokens, not its {self.prompt_len}-token prompt "
+                f"(something rolled it back or wrote to it); {fix}")
+        require(self.logits.device == model.device,
+                f"the prefill lives on {self.logits.device}, the model on {model.device}; {fix}")
+        differs = first_difference(model_identity(model), self.model)
+        require(differs is None, f"the prefill was made by another model ({differs}, this model vs the prefill's); "
+                                 f"{fix}")
+
+
+@torch.inference_mode()
+def compute_prefill(model: Transformer, prompt: torch.Tensor, warmup: bool = False) -> PrefilledPrompt:
+    """One timed prefill of ``prompt`` [B, T] into a cache of exactly T slots. ``warmup`` first runs the
+    first chunk untimed, so the timed forward pays no first-call costs (a benchmark's habit)."""
+    device = model.device
+    tokens = prompt.to(device)
+    if warmup:
+        first = tokens[:, :PREFILL_CHUNK]
+        prefill(model, model.new_cache(first.shape[1], first.shape[0]), first)
+    cache = model.new_cache(tokens.shape[1], tokens.shape[0])
+    capture = Capture(layers=set(range(model.cfg.num_layers)))
+    synchronize(device)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, tokens, capture=capture)
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    queries = {layer: q[:, :, -1].clone() for layer, q in capture.queries.items()}
+    return PrefilledPrompt(prompt.cpu(), cache, logits, queries, model_identity(model), seconds)
+
+
+def prefill_prompt(model: Transformer, prompt: torch.Tensor | Sequence[int], *, store: PrefillStore | None = None,
+                   warmup: bool = False) -> PrefilledPrompt:
+    """The prefill of ``prompt`` (ids, ``[T]`` or ``[B, T]``) that ``decode(..., prefilled=)`` and every
+    decoder start from. With ``store`` it is read from that disk cache when there (a damaged entry is
+    recomputed with a one-line warning) and written to it otherwise."""
+    ids = as_prompt(prompt)
+    check_prompt(model, ids, 0)
+    if store is not None:
+        found = store.load(model, ids)
+        if found is not None:
+            return found
+    result = compute_prefill(model, ids, warmup)
+    if store is not None:
+        store.save(result)
+    return result
