@@ -156,3 +156,53 @@ def test_a_preloaded_target_and_an_offset_prompt():
     assert not bench_prompt("tiny-llama", 200, offset=500).equal(bench_prompt("tiny-llama", 200))
     with pytest.raises(SparsedraftError, match="not loaded as"):
         compare(CompareConfig(**{**TINY, "model": "tiny-qwen2"}), target=target)
+
+
+@pytest.fixture
+def prompt_forwards(monkeypatch):
+    """Lengths of the prompt forwards (into an empty full cache) of the tiny-llama target passed to compare."""
+    from sparsedraft import load_model
+    from sparsedraft.cache import StaticCache
+    from sparsedraft.model import Transformer
+    target, seen = load_model("tiny-llama"), []
+    original = Transformer.forward
+
+    def counting(self, tokens, positions=None, cache=None, **kwargs):
+        if self is target and isinstance(cache, StaticCache) and cache.length == 0:
+            seen.append(tokens.shape[1])
+        return original(self, tokens, positions, cache, **kwargs)
+    monkeypatch.setattr(Transformer, "forward", counting)
+    return target, seen
+
+
+def test_every_run_starts_from_one_prefill(prompt_forwards):
+    target, seen = prompt_forwards
+    result = compare(CompareConfig(**{**TINY, "new_tokens": 6, "warmup": 1, "repeats": 2}, methods=METHODS),
+                     target=target)
+    assert seen == [200, 200]  # the untimed warm-up chunk, then the one timed prefill: not one per run
+    assert all(r.tokens_match for r in result.rows)
+    assert result.prefill_loaded_from is None and result.prefill_s > 0
+    for row in result.rows:
+        assert 0 < row.setup_s < row.prefill_s
+        assert row.prefill_s == pytest.approx(result.prefill_s + row.setup_s)
+    assert f"one prefill for every run: {result.prefill_s:.3f} s (computed here)" in result.table()
+    assert json.loads(json.dumps(result.to_dict()))["prefill_s"] == result.prefill_s
+
+
+def test_the_bench_cli_reads_the_prefill_from_its_disk_cache(prompt_forwards, tmp_path, capsys, monkeypatch):
+    from sparsedraft.__main__ import main
+    target, seen = prompt_forwards
+    monkeypatch.setattr(sparsedraft.bench.comparison.weights, "load_model", lambda *a: target)
+    flags = ["bench", "retrieval", "--model", "tiny-llama", "--device", "cpu", "--context", "200", "--new-tokens",
+             "4", "--warmup", "0", "--budget", "64", "--prefill-cache", str(tmp_path / "prefill"),
+             "--prefill-cache-gib", "0.5"]
+    records = []
+    for _ in range(2):
+        assert main(flags) == 0
+        records.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert seen == [200]  # the second bench read it from disk
+    first, second = records
+    assert first["prefill_loaded_from"] is None and second["prefill_loaded_from"].startswith(str(tmp_path))
+    assert second["prefill_s"] == first["prefill_s"]  # the time it took to compute, kept with the entry
+    assert [r["tokens_match"] for r in second["rows"]] == [True, True]
+    assert second["config"]["prefill_cache_gib"] == 0.5

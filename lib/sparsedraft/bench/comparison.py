@@ -5,16 +5,20 @@ config's values, each method's options (:func:`~sparsedraft.methods.method_optio
 the context against the model's limit (read from its config alone) and each
 method's prompt-dependent checks at that context. Then the target loads once
 (quantised once with ``quant="int8"``, so the baseline and every truncated
-draft share the lever), the essay prompt is built once, each named draft is
-loaded once, and every method runs through :func:`sparsedraft.decode` --
-warm-up runs first, then timed rounds that take turns
-(:func:`~.timing.interleaved_runs`).
+draft share the lever), the essay prompt is built and prefilled once (after an
+untimed forward of its first chunk when ``warmup`` > 0; read from a disk cache
+instead with ``prefill_cache``, :mod:`sparsedraft.prefill_store`), each named
+draft is loaded once, and every method runs through :func:`sparsedraft.decode`
+from a copy of that one prefill -- warm-up runs first, then timed rounds that
+take turns (:func:`~.timing.interleaved_runs`).
 
 Ratios use :attr:`DecodeResult.ms_per_token` (the one definition of time per
 token): ``speedup`` is the baseline's ms/token over the method's,
-``end_to_end`` the baseline's prefill + decode seconds over the method's (a
-retrieval cache's build sits in the speculative prefill). Per-level stats come
-from the median run.
+``end_to_end`` the baseline's prefill + decode seconds over the method's. Each
+row's ``prefill_s`` is the shared prefill's seconds (:attr:`CompareResult.prefill_s`,
+the time it took to compute, also when read from disk) plus the row's own
+``setup_s``, measured in each run: copying the prefill, selecting a retrieval
+cache, a draft model's own prefill. Per-level stats come from the median run.
 
 From Python::
 
@@ -38,6 +42,8 @@ from ..decoding import DecodeResult, decode
 from ..errors import require
 from ..methods import METHODS, load_draft, method_options
 from ..model import Transformer
+from ..prefill_store import GiB, PrefillStore
+from ..prefilled import prefill_prompt
 from ..quant import quantize_int8
 from ..report import format_table
 from ..runtime import DTYPES, device_name, resolve_device
@@ -90,6 +96,10 @@ class CompareConfig:
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy (tokens must match the baseline)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (temperature > 0)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
+    prefill_cache: str = field(default="", metadata={
+        "help": "folder of a disk cache of prefilled prompts, e.g. data/cache/prefill (git-ignored); empty: off"})
+    prefill_cache_gib: float = field(default=4.0, metadata={
+        "help": "size cap of the prefill cache in GiB (least recently used entries go first)"})
     # Methods compared with the baseline: names or (name, options) pairs; the CLI sets one from its flags.
     methods: tuple = field(default=(), metadata={"cli": False})
 
@@ -104,6 +114,7 @@ class CompareConfig:
                 f"warmup must be >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
         require(self.variant >= 0 and self.offset >= 0,
                 f"variant and offset must be >= 0, got {self.variant} and {self.offset}")
+        require(self.prefill_cache_gib > 0, f"prefill_cache_gib must be > 0, got {self.prefill_cache_gib}")
         require(isinstance(self.methods, (tuple, list)),
                 f"methods must be a tuple of names or (name, options) pairs, got {type(self.methods).__name__}")
         entries = tuple(_entry(m) for m in self.methods)
@@ -133,7 +144,8 @@ class CompareConfig:
 @dataclass(frozen=True)
 class MethodRow:
     method: str  # the method's name (with its options when one method is listed twice)
-    prefill_s: float  # median over repeats
+    prefill_s: float  # median over repeats: the shared prefill's seconds + setup_s
+    setup_s: float  # median prefill-phase seconds of the run's own: copying the shared prefill, cache builds, drafts
     ms_per_token: float  # median DecodeResult.ms_per_token
     tokens_per_s: float  # 1000 / ms_per_token
     speedup: float  # baseline ms_per_token / this ms_per_token (1.0 for the baseline)
@@ -158,6 +170,8 @@ class CompareResult:
     device: str
     prompt_len: int
     rows: list[MethodRow]  # baseline first, then the methods in config order
+    prefill_s: float  # seconds of the one prefill every run started from (when computed, also if read from disk)
+    prefill_loaded_from: str | None = None  # the disk cache file it was read from; None when computed here
 
     def row(self, method: str) -> MethodRow:
         """The row named ``method`` (see :attr:`MethodRow.method`)."""
@@ -176,7 +190,8 @@ class CompareResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"bench": "compare", "config": self.config.to_dict(), "device": self.device,
-                "prompt_len": self.prompt_len, "rows": self.records()}
+                "prompt_len": self.prompt_len, "prefill_s": self.prefill_s,
+                "prefill_loaded_from": self.prefill_loaded_from, "rows": self.records()}
 
     def table(self) -> str:
         c = self.config
@@ -185,12 +200,14 @@ class CompareResult:
         head = (f"compare: {', '.join(r.method for r in self.rows[1:]) or 'baseline only'} vs {BASELINE}, "
                 f"{c.model} {c.dtype}{quant} on {self.device}, prompt {self.prompt_len} tokens, {c.new_tokens} "
                 f"new ({law}), median of {c.repeats}\n")
-        cells = [[r.method, f"{r.prefill_s:.3f}", f"{r.ms_per_token:.2f}", f"{r.tokens_per_s:.1f}",
+        where = f"read from {self.prefill_loaded_from}" if self.prefill_loaded_from else "computed here"
+        head += f"one prefill for every run: {self.prefill_s:.3f} s ({where}); prefill s = that + setup s\n"
+        cells = [[r.method, f"{r.prefill_s:.3f}", f"{r.setup_s:.3f}", f"{r.ms_per_token:.2f}", f"{r.tokens_per_s:.1f}",
                   f"{r.speedup:.2f}x", f"{r.end_to_end:.2f}x",
                   "-" if r.tokens_per_iteration is None else f"{r.tokens_per_iteration:.2f}",
                   " ".join(f"{k}={v:.2f}" for k, v in r.acceptance.items()) or "-",
                   {True: "yes", False: "NO", None: "-"}[r.tokens_match]] for r in self.rows]
-        lines = [head + format_table(["method", "prefill s", "decode ms/tok", "tok/s", "speedup", "end-to-end",
+        lines = [head + format_table(["method", "prefill s", "setup s", "decode ms/tok", "tok/s", "speedup", "end-to-end",
                                       "tok/iter", "acceptance", "tokens = ar"], cells)]
         for r in self.rows[1:]:
             if r.decode_s > 0:
@@ -206,7 +223,8 @@ def _row(label: str, runs: list[DecodeResult], baseline: list[DecodeResult], che
     match = all(torch.equal(r.tokens, baseline[0].tokens) for r in runs) if check_tokens else None
     base_ms = statistics.median(r.ms_per_token for r in baseline)
     base_total = statistics.median(r.total_s for r in baseline)
-    common = dict(method=label, prefill_s=statistics.median(r.prefill_s for r in runs), ms_per_token=ms,
+    common = dict(method=label, prefill_s=statistics.median(r.prefill_s for r in runs),
+                  setup_s=statistics.median(r.setup_s for r in runs), ms_per_token=ms,
                   tokens_per_s=1000 / ms, speedup=base_ms / ms, end_to_end=base_total / total, tokens_match=match,
                   options={k: _plain(v) for k, v in options.items()})
     median = median_run(runs, key=lambda r: r.decode_s).stats
@@ -224,7 +242,8 @@ def _row(label: str, runs: list[DecodeResult], baseline: list[DecodeResult], che
 
 
 def compare(config: CompareConfig, progress: bool = False, target: Transformer | None = None) -> CompareResult:
-    """Time the baseline and ``config.methods`` on one essay prompt; returns rows (baseline first).
+    """Time the baseline and ``config.methods`` on one essay prompt, all from one prefill; returns rows
+    (baseline first).
 
     ``target`` reuses a model already loaded from ``config.model`` in ``config.dtype`` on ``config.device``
     (a notebook comparing at several contexts loads it once); ``quant`` then must be ``none``.
@@ -249,8 +268,11 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     if config.quant == "int8":  # before any draft is cut from it: baseline, methods and truncated drafts share it
         quantize_int8(target)
     prompt = bench_prompt(config.model, config.context, config.split, config.variant, config.offset).to(device)
+    store = PrefillStore(config.prefill_cache, int(config.prefill_cache_gib * GiB)) if config.prefill_cache else None
+    prefilled = prefill_prompt(target, prompt, store=store, warmup=config.warmup > 0)
     drafts: dict[str, Any] = {}
-    runners = {BASELINE: lambda: decode(target, prompt, BASELINE, config.new_tokens, sampling=config.sampling)}
+    runners = {BASELINE: lambda: decode(target, prompt, BASELINE, config.new_tokens, sampling=config.sampling,
+                                        prefilled=prefilled)}
     labels = config.labels(config.methods)
     for label, (name, _), opts in zip(labels, config.methods, options):
         values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
@@ -260,8 +282,10 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
                 drafts[draft] = load_draft(draft, target)
             values["draft"] = drafts[draft]
         runners[label] = (lambda name=name, values=values:
-                          decode(target, prompt, name, config.new_tokens, sampling=config.sampling, **values))
+                          decode(target, prompt, name, config.new_tokens, sampling=config.sampling,
+                                 prefilled=prefilled, **values))
     runs = interleaved_runs(runners, config.warmup, config.repeats, progress)
     given = {BASELINE: {}, **{label: opts for label, (_, opts) in zip(labels, config.methods)}}
     rows = [_row(label, runs[label], runs[BASELINE], config.sampling.greedy, given[label]) for label in runners]
-    return CompareResult(config, device_name(device), prompt.shape[1], rows)
+    return CompareResult(config, device_name(device), prompt.shape[1], rows, prefilled.seconds,
+                         prefilled.loaded_from)
