@@ -5,6 +5,9 @@ Where everything is, one hop from here:
 - decode anything: :func:`decode` (``sparsedraft.decoding``) with a method from
   :data:`METHODS` (``sparsedraft.methods``: ar, spec, retrieval, triforce,
   budgetdraft, each an options dataclass);
+- one prefill for many runs: :func:`prefill_prompt` / :class:`PrefilledPrompt`
+  (``sparsedraft.prefilled``; ``decode(..., prefilled=)``) and its disk cache
+  :class:`PrefillStore` (``sparsedraft.prefill_store``);
 - benchmark: :func:`compare` / :class:`CompareConfig` (the baseline and any
   methods, one process) and :data:`BENCHES` (``sparsedraft.bench``; the ``ar``
   bench also times transformers);
@@ -32,8 +35,10 @@ from .decoding import DecodeResult, decode
 from .errors import SparsedraftError
 from .methods import METHODS
 from .model import Capture, Transformer
+from .prefill_store import PrefillStore
+from .prefilled import PrefilledPrompt, prefill_prompt
 from .weights import load_model, load_tokenizer
 
 __all__ = ["BENCHES", "METHODS", "Capture", "CompareConfig", "DecodeResult", "KVCache", "ModelConfig",
-           "SequenceView", "SparsedraftError", "StaticCache", "Transformer", "compare", "decode", "load_model",
-           "load_tokenizer"]
+           "PrefillStore", "PrefilledPrompt", "SequenceView", "SparsedraftError", "StaticCache", "Transformer",
+           "compare", "decode", "load_model", "load_tokenizer", "prefill_prompt"]
