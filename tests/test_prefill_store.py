@@ -11,7 +11,10 @@ import time
 import pytest
 import torch
 
+import sparsedraft.bench.comparison
 from sparsedraft import decode, load_model
+from sparsedraft.bench import CompareConfig, compare
+from sparsedraft.errors import SparsedraftError
 from sparsedraft.prefill_store import PrefillStore, entry_key
 from sparsedraft.prefilled import model_identity, prefill_prompt
 from sparsedraft.tiny import tiny_model
@@ -123,3 +126,11 @@ def test_an_entry_over_the_cap_is_not_kept(model, tmp_path):
     with pytest.warns(UserWarning, match="over the cap"):
         assert store.save(prefill_prompt(model, prompt())) is None
     assert store.entries() == []
+
+
+def test_a_file_as_the_cache_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(sparsedraft.bench.comparison.weights, "load_model", lambda *a: pytest.fail("loaded"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SparsedraftError, match="is a file; give a folder"):
+        compare(CompareConfig(model="tiny-llama", device="cpu", context=200, new_tokens=4,
+                              prefill_cache=str(tmp_path / "file")))

@@ -59,7 +59,8 @@ def test_a_shared_prefill_gives_the_tokens_of_a_run_that_prefilled_itself(model,
     if law == "greedy":
         assert torch.equal(shared.tokens, generate(model, PROMPT, NEW).tokens)
     assert shared.shared_prefill_s == prefilled.seconds > 0 and own.shared_prefill_s == 0
-    assert 0 < shared.setup_s < shared.prefill_s and shared.setup_s == pytest.approx(shared.prefill_s - prefilled.seconds)
+    assert 0 < shared.setup_s < shared.prefill_s
+    assert shared.setup_s == pytest.approx(shared.prefill_s - prefilled.seconds)
 
 
 def test_the_prefill_is_left_bit_identical_by_every_method(model):
@@ -138,3 +139,17 @@ def test_the_weights_digest_follows_a_write_in_place(model):
     with torch.no_grad():
         other.norm.weight.mul_(2)
     assert weights_digest(other) != before
+
+
+def test_a_cache_takes_only_a_state_that_fits_it(model):
+    prefilled = prefill_prompt(model, PROMPT)
+    state = prefilled.cache.state()
+    bigger = model.new_cache(PROMPT.shape[1] + 8)
+    bigger.load_state(state)
+    assert bigger.length == PROMPT.shape[1] and torch.equal(bigger.keys(1), prefilled.cache.keys(1))
+    with pytest.raises(SparsedraftError, match="does not fit"):
+        model.new_cache(PROMPT.shape[1] - 1).load_state(state)
+    with pytest.raises(SparsedraftError, match="this cache takes torch.bfloat16"):
+        copy.deepcopy(model).to(torch.bfloat16).new_cache(PROMPT.shape[1]).load_state(state)
+    with pytest.raises(SparsedraftError, match="for this cache's 1 layers"):
+        tiny_model("qwen2", num_hidden_layers=1).new_cache(PROMPT.shape[1]).load_state(state)

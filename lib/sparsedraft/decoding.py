@@ -75,7 +75,8 @@ class DecodeResult:
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "tokens": self.tokens.tolist(), "prompt_len": self.prompt_len,
                 "prefill_s": self.prefill_s, "decode_s": self.decode_s, "decode_tokens": self.decode_tokens,
-                "ms_per_token": self.ms_per_token, "shared_prefill_s": self.shared_prefill_s, "levels": [lvl.to_dict() for lvl in self.levels],
+                "ms_per_token": self.ms_per_token, "shared_prefill_s": self.shared_prefill_s,
+                "levels": [lvl.to_dict() for lvl in self.levels],
                 "stats": self.stats.to_dict() if self.stats else None, "text": self.text}
 
 

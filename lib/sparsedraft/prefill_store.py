@@ -57,6 +57,7 @@ class PrefillStore:
 
     def __init__(self, root: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES):
         require(max_bytes > 0, f"the prefill cache's size cap must be > 0 bytes, got {max_bytes}")
+        require(not Path(root).is_file(), f"the prefill cache {root} is a file; give a folder (e.g. data/cache/prefill)")
         self.root, self.max_bytes = Path(root), int(max_bytes)
 
     def path(self, key: dict[str, Any]) -> Path:

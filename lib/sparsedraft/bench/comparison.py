@@ -202,13 +202,13 @@ class CompareResult:
                 f"new ({law}), median of {c.repeats}\n")
         where = f"read from {self.prefill_loaded_from}" if self.prefill_loaded_from else "computed here"
         head += f"one prefill for every run: {self.prefill_s:.3f} s ({where}); prefill s = that + setup s\n"
-        cells = [[r.method, f"{r.prefill_s:.3f}", f"{r.setup_s:.3f}", f"{r.ms_per_token:.2f}", f"{r.tokens_per_s:.1f}",
-                  f"{r.speedup:.2f}x", f"{r.end_to_end:.2f}x",
+        cells = [[r.method, f"{r.prefill_s:.3f}", f"{r.setup_s:.3f}", f"{r.ms_per_token:.2f}",
+                  f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x", f"{r.end_to_end:.2f}x",
                   "-" if r.tokens_per_iteration is None else f"{r.tokens_per_iteration:.2f}",
                   " ".join(f"{k}={v:.2f}" for k, v in r.acceptance.items()) or "-",
                   {True: "yes", False: "NO", None: "-"}[r.tokens_match]] for r in self.rows]
-        lines = [head + format_table(["method", "prefill s", "setup s", "decode ms/tok", "tok/s", "speedup", "end-to-end",
-                                      "tok/iter", "acceptance", "tokens = ar"], cells)]
+        lines = [head + format_table(["method", "prefill s", "setup s", "decode ms/tok", "tok/s", "speedup",
+                                      "end-to-end", "tok/iter", "acceptance", "tokens = ar"], cells)]
         for r in self.rows[1:]:
             if r.decode_s > 0:
                 lines.append(f"{r.method} decode time: " + ", ".join(
@@ -263,12 +263,12 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     options = [method_options(name, **opts) for name, opts in config.methods]
     for opts in options:
         opts.check(model_cfg, config.context)
+    store = PrefillStore(config.prefill_cache, int(config.prefill_cache_gib * GiB)) if config.prefill_cache else None
 
     target = target if target is not None else weights.load_model(config.model, DTYPES[config.dtype], device)
     if config.quant == "int8":  # before any draft is cut from it: baseline, methods and truncated drafts share it
         quantize_int8(target)
     prompt = bench_prompt(config.model, config.context, config.split, config.variant, config.offset).to(device)
-    store = PrefillStore(config.prefill_cache, int(config.prefill_cache_gib * GiB)) if config.prefill_cache else None
     prefilled = prefill_prompt(target, prompt, store=store, warmup=config.warmup > 0)
     drafts: dict[str, Any] = {}
     runners = {BASELINE: lambda: decode(target, prompt, BASELINE, config.new_tokens, sampling=config.sampling,
