@@ -142,7 +142,6 @@ def test_gather_equals_the_retrieval_cache_and_indexed_attention(family):
         dense = F.scaled_dot_product_attention(grouped, out_k[:, :, :view.budget], out_v[:, :, :view.budget],
                                                scale=scale).reshape(q.shape)
         torch.testing.assert_close(dense, indexed_attention(q, full.k[layer], full.v[layer], index, scale))
-    assert not flashinfer_available() or torch.cuda.is_available()
 
 
 def test_the_check_writes_its_record_on_cpu_with_a_fake_machine(tmp_path):
@@ -191,7 +190,8 @@ def test_a_failing_part_is_recorded_and_the_rest_still_run(tmp_path):
 
 
 def test_device_names():
-    assert device_slug("NVIDIA H200") == "nvidia-h200" and device_slug("NVIDIA A100-SXM4-80GB") == "nvidia-a100-sxm4-80gb"
+    assert device_slug("NVIDIA H200") == "nvidia-h200"
+    assert device_slug("NVIDIA A100-SXM4-80GB") == "nvidia-a100-sxm4-80gb"
     assert datasheet("NVIDIA H200").bandwidth_gb_s == 4800.0
     assert datasheet("NVIDIA A100-SXM4-80GB").name == "A100-80GB" and datasheet("NVIDIA A100-SXM4-40GB") is None
     assert datasheet("cpu") is None

@@ -52,15 +52,16 @@ from ..errors import SparsedraftError, require
 from ..report import format_table
 from ..roofline import HARDWARE, MODELS, Hardware, kv_bytes
 from ..runtime import DTYPES, device_name
+from .comparison import CompareConfig, compare
 from .gpu_levels import Backend, DeviceBackend, LevelRow, LevelTimer, StepTiming, draft_level, fit_context, \
     target_levels
 
 HELP = "the GPU check: Fig. 1's levels with and without CUDA graphs, AR vs TriForce on SmolLM2; writes data/gpu/"
 NO_CUDA = ("gpu-check needs a CUDA GPU, and torch.cuda.is_available() is False here (torch {torch}): nothing was "
            "run and nothing written. Run it on a GPU machine with a CUDA build of torch: make TORCH=torch gpu-check")
-# Rough seconds each part takes on an H200/A100 (model build, cache fill, graph captures, timings); a part
-# starts only when the budget has this much left.
-PART_SECONDS = {"draft": 30, "target": 150, "static full cache": 40, "smollm2": 150}
+# Rough seconds each part takes on an H200/A100 (model build, cache fill, graph captures, timings), generous;
+# a part starts only when the budget has this much left ("static full cache" is the target part's last step).
+PART_SECONDS = {"draft": 30, "target": 120, "static full cache": 40, "smollm2": 150}
 
 
 @dataclass(frozen=True)
@@ -207,8 +208,9 @@ def versions() -> dict[str, str | None]:
     found: dict[str, str | None] = {"python": sys.version.split()[0], "torch": torch.__version__,
                                     "cuda": torch.version.cuda}
     found["cudnn"] = str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None
-    for key, distributions in (("flash_attn", ("flash-attn", "flash_attn")),
-                               ("flashinfer", ("flashinfer-python", "flashinfer")), ("transformers", ("transformers",))):
+    packages = {"flash_attn": ("flash-attn", "flash_attn"), "flashinfer": ("flashinfer-python", "flashinfer"),
+                "transformers": ("transformers",)}  # import name -> distribution names
+    for key, distributions in packages.items():
         found[key] = None
         for distribution in distributions:
             try:
@@ -300,7 +302,6 @@ def run_gpu_check(config: GpuCheckConfig, *, backend: Backend | None = None,
         result.retrieval_kernels = kernels
 
     def smollm2() -> None:
-        from .comparison import CompareConfig, compare
         compared = compare(CompareConfig(model=config.smollm2_model, dtype=config.smollm2_dtype,
                                          device=config.device, context=config.smollm2_context,
                                          new_tokens=config.smollm2_new_tokens, repeats=config.smollm2_repeats,
