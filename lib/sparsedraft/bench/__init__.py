@@ -8,6 +8,9 @@ process (:mod:`.comparison`), its options and the shared ones (model, context,
 sampling, ...) becoming flags. A method added to ``METHODS`` is therefore a
 bench with no code here.
 
+The GPU check (:mod:`.gpu`, command ``gpu-check``) is not a bench of this
+registry: it is a fixed set of parts that writes its own record.
+
 Every result renders a human table (``table()``) and a JSON-ready dict
 (``to_dict()``); :class:`CompareResult` also gives a data frame
 (``frame()``) for notebooks.
