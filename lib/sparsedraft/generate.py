@@ -1,7 +1,8 @@
 """Autoregressive generation: the baseline every speedup is measured against.
 
 :func:`prefill` fills a cache in chunks of :data:`PREFILL_CHUNK` (bounded
-activation memory at 8K and beyond) and returns the last logits, optionally
+activation memory at 8K and beyond), the last token alone (see
+:func:`prefill_spans`), and returns the last logits, optionally
 with the last tokens' queries; it is the one prefill loop of the library
 (targets, drafters, analyses); :func:`generate` decodes one token per
 forward and reports prefill and decode times separately, with the device
@@ -58,6 +59,20 @@ def check_prompt(model: Transformer, prompt: torch.Tensor, max_new_tokens: int) 
             "use the tokenizer that belongs to this model")
 
 
+def prefill_spans(length: int, chunk: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each prefill forward: chunks of ``chunk`` tokens, then the last token alone.
+
+    The last prompt token is what a speculative run feeds again as the first
+    row of its first verification; running it here as a one-token forward,
+    the shape of every decode step, gives its key, value and logits from the
+    same kernels in plain and speculative decoding. That is what keeps greedy
+    tokens identical in bf16, where a 1024-row chunk and a few-row step round
+    differently (see ``tests/test_exact_rows.py``).
+    """
+    body = length - 1
+    return [(s, min(s + chunk, body)) for s in range(0, body, chunk)] + [(body, length)]
+
+
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int = PREFILL_CHUNK, *,
             capture: Capture | None = None, capture_last: int = 1) -> torch.Tensor:
@@ -80,8 +95,7 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int
     first = length - min(capture_last, length)  # first token whose query is recorded
     parts: dict[int, list[torch.Tensor]] = defaultdict(list)
     logits = None
-    for start in range(0, length, chunk):
-        stop = min(start + chunk, length)
+    for start, stop in prefill_spans(length, chunk):
         step = Capture(layers=capture.layers) if capture is not None and stop > first else None
         logits = model(tokens[:, start:stop], cache=cache, last_only=True, capture=step)
         for layer, q in (step.queries.items() if step is not None else ()):
