@@ -13,6 +13,7 @@ gets one warning naming the reason and ``available() == False``; callers then ke
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import sys
@@ -71,13 +72,26 @@ def _build(flags: list[str]) -> ModuleType:
     key = build_key(flags)
     folder = cache_root() / key
     folder.mkdir(parents=True, exist_ok=True)
-    return load(name=f"sparsedraft_attend_{key}", sources=[str(SOURCE)], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)  # its multi-line compiler notices would drown our one line
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load(name=f"sparsedraft_attend_{key}", sources=[str(SOURCE)], extra_cflags=flags,
+                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    finally:
+        torch_log.setLevel(level)
 
 
-def _short(exc: BaseException) -> str:
+def _reason(exc: BaseException) -> str:
+    """The line of a build failure that says what went wrong, not the compiler command around it."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0][:200] if lines else 'no message'}"
+    telling = [line for line in lines if not line.startswith(("Error building extension", "FAILED:", "ninja:"))
+               and ".cpp -o " not in line and any(word in line.lower() for word in
+                                                 ("error", "not found", "no such", "required", "fatal"))]
+    line = (telling or lines or ["no message"])[0]
+    return f"{type(exc).__name__}: {line[:200]}"
 
 
 def available() -> bool:
@@ -91,7 +105,7 @@ def available() -> bool:
                 _module = _build(flags)
                 break
             except Exception as exc:  # noqa: BLE001 - any build failure means "use SDPA", reported once
-                _failure = _short(exc)
+                _failure = _reason(exc)
         if _module is not None:
             _failure = None
         else:
