@@ -1,0 +1,155 @@
+"""Optional C++ kernels, built on first use; the pure-torch path stays the default and the oracle.
+
+``attend`` is decode / verification attention over a KV cache that reads each cached key and value
+once for a whole GQA group and all T new tokens (see ``decode_attention.cpp`` for why torch's SDPA
+does not). It is built with ``torch.utils.cpp_extension.load`` the first time :func:`available` is
+asked, into ``$XDG_CACHE_HOME/sparsedraft/kernels/<hash>`` (``~/.cache`` by default), the hash
+covering the source, the compiler flags, torch, Python, the compiler and this CPU (``-march=native``
+code must not run on another CPU that shares the home folder). A machine without a compiler or ninja
+gets one warning naming the reason and ``available() == False``; callers then keep the SDPA path.
+``SPARSEDRAFT_KERNELS=0`` turns the kernels off without a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ..errors import require
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+# Tried in order: the first that builds is kept. -march=native with 512-bit vectors where the compiler
+# takes it, then the portable build. -ffp-contract=off keeps every multiply-add explicit (exactness).
+FLAG_SETS = (
+    ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp"],
+    ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+    ["-O3", "-ffp-contract=off", "-fopenmp"],
+)
+DTYPES = (torch.float32, torch.bfloat16)
+
+_module: ModuleType | None = None
+_failure: str | None = None
+
+
+def enabled() -> bool:
+    """False when the environment turns the kernels off (``SPARSEDRAFT_KERNELS=0``)."""
+    return os.environ.get("SPARSEDRAFT_KERNELS", "1").strip() != "0"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparsedraft" / "kernels"
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in keep}))
+
+
+def build_key(flags: list[str]) -> str:
+    """Hash of everything that makes a built module reusable; names its folder and module."""
+    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode(),
+             platform.machine().encode(), os.environ.get("CXX", "c++").encode(), _cpu_fingerprint().encode()]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(hashlib.sha256(part).digest())
+    return digest.hexdigest()[:16]
+
+
+def _build(flags: list[str]) -> ModuleType:
+    from torch.utils.cpp_extension import load
+    key = build_key(flags)
+    folder = cache_root() / key
+    folder.mkdir(parents=True, exist_ok=True)
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)  # its multi-line compiler notices would drown our one line
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load(name=f"sparsedraft_attend_{key}", sources=[str(SOURCE)], extra_cflags=flags,
+                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    finally:
+        torch_log.setLevel(level)
+
+
+def _reason(exc: BaseException) -> str:
+    """The line of a build failure that says what went wrong, not the compiler command around it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    telling = [line for line in lines if not line.startswith(("Error building extension", "FAILED:", "ninja:"))
+               and ".cpp -o " not in line and any(word in line.lower() for word in
+                                                 ("error", "not found", "no such", "required", "fatal"))]
+    line = (telling or lines or ["no message"])[0]
+    return f"{type(exc).__name__}: {line[:200]}"
+
+
+def available() -> bool:
+    """Whether :func:`attend` can run here; builds the extension the first time (about a minute)."""
+    global _module, _failure
+    if not enabled():
+        return False
+    if _module is None and _failure is None:
+        for flags in FLAG_SETS:
+            try:
+                _module = _build(flags)
+                break
+            except Exception as exc:  # noqa: BLE001 - any build failure means "use SDPA", reported once
+                _failure = _reason(exc)
+        if _module is not None:
+            _failure = None
+        else:
+            warnings.warn(f"sparsedraft C++ attention kernel unavailable ({_failure}); using torch SDPA",
+                          RuntimeWarning, stacklevel=2)
+    return _module is not None
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> None:
+    require(q.dim() == 4 and k.dim() == 4 and k.shape == v.shape,
+            f"attend takes q [B, KV, rows, D] and k, v [B, KV, S, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}")
+    b, kv, rows, d = q.shape
+    require(k.shape[0] == b and k.shape[1] == kv and k.shape[3] == d,
+            f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch, kv heads or head_dim")
+    require(t >= 1 and rows % t == 0, f"T must be >= 1 and divide q's {rows} rows (g * T), got T={t}")
+    require(k.shape[2] >= t, f"S={k.shape[2]} keys cannot hold T={t} new tokens; S must be >= T")
+    require(q.dtype == k.dtype == v.dtype and q.dtype in DTYPES,
+            f"attend takes float32 or bfloat16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    require(q.device.type == k.device.type == v.device.type == "cpu", "attend runs on CPU tensors only")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: int) -> torch.Tensor:
+    """Attention of q [B, KV, g*T, D] (row i*T + t: head i of the group, new token t) over k, v
+    [B, KV, S, D] whose last T keys are the new tokens; row t sees keys 0 .. S-T+t. Returns
+    [B, KV, g*T, D] in q's dtype. k, v may be views into bigger buffers (rows of D contiguous values,
+    consecutive keys D apart); they are read in place. Each row's result is bitwise independent of T
+    and of the other rows. Call :func:`available` first."""
+    _check(q, k, v, t)
+    require(k.stride(3) == 1 and v.stride(3) == 1 and k.stride(2) == k.shape[3] and v.stride(2) == v.shape[3],
+            f"k/v need contiguous rows with consecutive keys head_dim apart, got strides {k.stride()}, "
+            f"{v.stride()}; slice a [B, KV, max_len, D] buffer along S")
+    if not available():
+        reason = _failure if enabled() else "SPARSEDRAFT_KERNELS=0"
+        raise RuntimeError(f"the C++ attention kernel is unavailable ({reason}); check kernels.available() first")
+    return _module.attend(q, k, v, float(scale), int(t))
+
+
+def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: int) -> torch.Tensor:
+    """The same contract in plain torch (explicit scores, mask and fp32 softmax): the tests' oracle."""
+    _check(q, k, v, t)
+    rows, s = q.shape[2], k.shape[2]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [B, KV, rows, S]
+    token = torch.arange(rows, device=q.device) % t
+    visible = torch.arange(s, device=q.device)[None, :] <= (s - t + token)[:, None]  # [rows, S]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (weights @ v.float()).to(q.dtype)

@@ -1,0 +1,360 @@
+// Decode / verification attention over a KV cache on the CPU, reading each cached key and value once.
+//
+// Why: at long context a decode step is bound by reading the cache. torch's SDPA reads it per query
+// head and packs it per call, so a GQA group of g heads and a T-token verification cost far more
+// than the one pass over memory they need. Here all R = g*T query rows of a KV head share each load
+// of a key (scores) and of a value (weighted sum).
+//
+// Work split: items are (batch, kv head, chunk of kChunk keys). Chunk boundaries are fixed by key
+// position, never by thread count, and every chunk's partial result (row max, sum of exponentials,
+// unnormalised output) is merged in chunk order. Inside a chunk, each query row is a separate lane
+// that follows one fixed sequence of operations over its visible keys; blocking (several rows or
+// keys at once) only changes which lanes run side by side. So a row's output depends on its query
+// and its visible keys alone: a T-row verification gives, bit for bit, what T one-token decodes
+// over the growing prefix give. Multiply-adds are explicit (madd) and the build turns off
+// floating-point contraction, so every copy of a loop rounds the same way. `omp simd` marks the lane
+// loops (no reductions across lanes) so the compiler vectorises them the way they are written.
+//
+// Layouts: q [B, KV, R, D] with row r = i*T + t (query head i of the group, new token t); k, v
+// [B, KV, S, D] with the last dimension contiguous and consecutive keys D floats apart (views into
+// bigger cache buffers are fine); out [B, KV, R, D]. Row r sees keys 0 .. S-T+t.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 256;  // keys per work item; fixed positions, part of the exactness contract
+constexpr int64_t kLanes = 16;   // query rows handled side by side in the score and softmax loops
+constexpr float kLog2e = 1.4426950408889634f;
+
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// 2^x for x <= 0 (the scores minus their max); 0 below 2^-126 and for -inf. Plain arithmetic the
+// compiler vectorises: round to an integer n by the 1.5*2^23 trick, a degree-7 polynomial for 2^f on
+// f in [-0.5, 0.5] (truncation error 5e-9), then n goes into the exponent bits.
+inline float exp2_nonpositive(float x) {
+  const float xc = x > -127.0f ? x : -127.0f;
+  const float magic = 12582912.0f;
+  const float n = (xc + magic) - magic;
+  const float f = xc - n;
+  float p = 1.525273380405984e-05f;
+  p = madd(p, f, 1.5403530393381606e-04f);
+  p = madd(p, f, 1.3333558146428443e-03f);
+  p = madd(p, f, 9.618129107628477e-03f);
+  p = madd(p, f, 5.550410866482158e-02f);
+  p = madd(p, f, 2.402265069591007e-01f);
+  p = madd(p, f, 6.931471805599453e-01f);
+  p = madd(p, f, 1.0f);
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -126.0f ? 0.0f : p * scale;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, like torch
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return 0x7FC0;
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+struct Shape {
+  int64_t B, KV, R, T, S, D;
+  int64_t rp;       // R rounded up to kLanes
+  int64_t chunks;   // ceil(S / kChunk)
+  int64_t visible(int64_t r) const { return S - T + r % T + 1; }  // keys row r sees
+};
+
+// s[KB][rp] (columns v0 .. v0 + NV*kLanes) = scores of keys k[KB][D] against query rows (qt is
+// [D][rp], scale folded in): one madd per d, in d order, for every (key, row). KB*NV independent
+// accumulators keep the FMA units busy.
+template <int KB, int NV>
+void score_keys(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t v0) {
+  float acc[KB][NV * kLanes] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* qd = qt + d * rp + v0;
+    for (int kk = 0; kk < KB; ++kk) {
+      const float kd = k[kk * D + d];
+#pragma omp simd
+      for (int64_t l = 0; l < NV * kLanes; ++l) acc[kk][l] = madd(kd, qd[l], acc[kk][l]);
+    }
+  }
+  for (int kk = 0; kk < KB; ++kk)
+#pragma omp simd
+    for (int64_t l = 0; l < NV * kLanes; ++l) s[kk * rp + v0 + l] = acc[kk][l];
+}
+
+// Scores of keys [j0, j1) against all rows: groups of up to three row vectors, keys in blocks.
+template <int NV>
+void score_rows(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t v0, int64_t len) {
+  constexpr int KB = NV == 1 ? 8 : 4;
+  int64_t j = 0;
+  for (; j + KB <= len; j += KB) score_keys<KB, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
+  for (; j < len; ++j) score_keys<1, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
+}
+
+void score(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t len) {
+  int64_t v0 = 0;
+  for (; v0 + 3 * kLanes <= rp; v0 += 3 * kLanes) score_rows<3>(qt, k, s, D, rp, v0, len);
+  if (rp - v0 == 2 * kLanes) score_rows<2>(qt, k, s, D, rp, v0, len);
+  if (rp - v0 == kLanes) score_rows<1>(qt, k, s, D, rp, v0, len);
+}
+
+// o[RB rows][DW columns from d0] += sum over keys j in [j0, j1) of p[j][r0 + row] * v[j][d0 + col],
+// one madd per key in key order for every (row, column).
+template <int RB, int DW>
+void weigh_values(const float* p, int64_t rp, const float* v, int64_t D, int64_t r0, int64_t d0,
+                  int64_t j0, int64_t j1, float* o) {
+  float acc[RB][DW];
+  for (int rr = 0; rr < RB; ++rr)
+#pragma omp simd
+    for (int c = 0; c < DW; ++c) acc[rr][c] = o[(r0 + rr) * D + d0 + c];
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vj = v + j * D + d0;
+    for (int rr = 0; rr < RB; ++rr) {
+      const float pj = p[j * rp + r0 + rr];
+#pragma omp simd
+      for (int c = 0; c < DW; ++c) acc[rr][c] = madd(pj, vj[c], acc[rr][c]);
+    }
+  }
+  for (int rr = 0; rr < RB; ++rr)
+#pragma omp simd
+    for (int c = 0; c < DW; ++c) o[(r0 + rr) * D + d0 + c] = acc[rr][c];
+}
+
+// Rows [r0, r1) over keys [j0, j1) for the columns [0, D): column tiles of DW, four rows at a time
+// and the leftover rows as one block; leftover columns one at a time (the same madd chain per element).
+template <int DW>
+void weigh_rows(const float* p, int64_t rp, const float* v, int64_t D, int64_t r0, int64_t r1,
+                int64_t j0, int64_t j1, float* o) {
+  const int64_t dfull = D / DW * DW;
+  for (int64_t d0 = 0; d0 < dfull; d0 += DW) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) weigh_values<4, DW>(p, rp, v, D, r, d0, j0, j1, o);
+    switch (r1 - r) {
+      case 3: weigh_values<3, DW>(p, rp, v, D, r, d0, j0, j1, o); break;
+      case 2: weigh_values<2, DW>(p, rp, v, D, r, d0, j0, j1, o); break;
+      case 1: weigh_values<1, DW>(p, rp, v, D, r, d0, j0, j1, o); break;
+      default: break;
+    }
+  }
+  for (int64_t d0 = dfull; d0 < D; ++d0)
+    for (int64_t r = r0; r < r1; ++r) weigh_values<1, 1>(p, rp, v, D, r, d0, j0, j1, o);
+}
+
+void weigh(const float* p, int64_t rp, const float* v, int64_t D, int64_t r0, int64_t r1, int64_t j0,
+           int64_t j1, float* o) {
+  if (D % 64 == 0) {
+    weigh_rows<64>(p, rp, v, D, r0, r1, j0, j1, o);
+  } else if (D % 32 == 0) {
+    weigh_rows<32>(p, rp, v, D, r0, r1, j0, j1, o);
+  } else {
+    weigh_rows<16>(p, rp, v, D, r0, r1, j0, j1, o);
+  }
+}
+
+struct Scratch {  // per thread, reused across calls
+  std::vector<float> scores, keys, values, row;
+  std::vector<int64_t> seen;
+};
+
+template <typename scalar_t>
+const float* as_floats(const scalar_t* src, int64_t n, std::vector<float>& buf);
+
+template <>
+const float* as_floats<float>(const float* src, int64_t, std::vector<float>&) {
+  return src;
+}
+
+template <>
+const float* as_floats<at::BFloat16>(const at::BFloat16* src, int64_t n, std::vector<float>& buf) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+  float* out = buf.data();
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(h[i]);
+  return out;
+}
+
+// One chunk of one (batch, kv head): writes o [R][D] (unnormalised), m [R] (row max, -inf when the
+// row sees none of these keys) and l [R] (sum of exponentials).
+template <typename scalar_t>
+void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const scalar_t* vc, int64_t c0,
+                  int64_t len, Scratch& scratch, float* o, float* m, float* l) {
+  const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
+  float* s = scratch.scores.data();
+
+  const float* k = as_floats(kc, len * D, scratch.keys);
+  score(qt, k, s, D, rp, len);
+
+  int64_t seen_by_all = len;  // keys every row sees; beyond it, rows stop at their own bound
+  scratch.seen.resize(R);
+  int64_t* seen = scratch.seen.data();
+  for (int64_t r = 0; r < R; ++r) {
+    seen[r] = std::clamp<int64_t>(sh.visible(r) - c0, 0, len);
+    seen_by_all = std::min(seen_by_all, seen[r]);
+    for (int64_t jj = seen[r]; jj < len; ++jj) s[jj * rp + r] = -std::numeric_limits<float>::infinity();
+  }
+
+  float mx[kLanes], sum[kLanes];
+  for (int64_t v0 = 0; v0 < rp; v0 += kLanes) {
+    for (int64_t x = 0; x < kLanes; ++x) mx[x] = -std::numeric_limits<float>::infinity();
+    for (int64_t jj = 0; jj < len; ++jj) {
+      const float* sj = s + jj * rp + v0;
+#pragma omp simd
+      for (int64_t x = 0; x < kLanes; ++x) mx[x] = sj[x] > mx[x] ? sj[x] : mx[x];
+    }
+    for (int64_t x = 0; x < kLanes; ++x) sum[x] = 0.0f;
+    for (int64_t jj = 0; jj < len; ++jj) {
+      float* sj = s + jj * rp + v0;
+#pragma omp simd
+      for (int64_t x = 0; x < kLanes; ++x) {
+        sj[x] = exp2_nonpositive(sj[x] - mx[x]);
+        sum[x] += sj[x];
+      }
+    }
+    for (int64_t x = 0; x < kLanes && v0 + x < R; ++x) {
+      m[v0 + x] = seen[v0 + x] > 0 ? mx[x] : -std::numeric_limits<float>::infinity();
+      l[v0 + x] = sum[x];
+    }
+  }
+
+  const float* v = as_floats(vc, len * D, scratch.values);
+  std::fill(o, o + R * D, 0.0f);
+  weigh(s, rp, v, D, 0, R, 0, seen_by_all, o);
+  for (int64_t r = 0; r < R; ++r)
+    if (seen[r] > seen_by_all) weigh(s, rp, v, D, r, r + 1, seen_by_all, seen[r], o);
+}
+
+// Row r of (b, kv): merge its chunks in order into out.
+template <typename scalar_t>
+void merge_row(const Shape& sh, const float* o, const float* m, const float* l, int64_t r, float* acc,
+               scalar_t* out) {
+  const int64_t D = sh.D, R = sh.R, n = sh.chunks;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < n; ++c) top = std::max(top, m[c * R + r]);
+  std::fill(acc, acc + D, 0.0f);
+  float total = 0.0f;
+  for (int64_t c = 0; c < n; ++c) {
+    const float mc = m[c * R + r];
+    if (mc == -std::numeric_limits<float>::infinity()) continue;
+    const float w = exp2_nonpositive(mc - top);
+    total = madd(l[c * R + r], w, total);
+    const float* oc = o + (c * R + r) * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] = madd(oc[d], w, acc[d]);
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = acc[d] / total;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      out[d] = y;
+    } else {
+      reinterpret_cast<uint16_t*>(out)[d] = float_to_bf16(y);
+    }
+  }
+}
+
+template <typename scalar_t>
+void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+         at::Tensor& out) {
+  const int64_t D = sh.D, R = sh.R, rp = sh.rp, heads = sh.B * sh.KV, n = sh.chunks;
+  const float qscale = static_cast<float>(scale) * kLog2e;  // scores in log2 units: exp2 in the softmax
+
+  std::vector<float> qt(heads * D * rp, 0.0f);  // per head [D][rp]
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; ++d)
+        qt[(h * D + d) * rp + r] = static_cast<float>(qp[(h * R + r) * D + d]) * qscale;
+
+  thread_local std::vector<float> partial;  // per calling thread: no page faults on every call
+  if (static_cast<int64_t>(partial.size()) < heads * n * R * (D + 2)) partial.resize(heads * n * R * (D + 2));
+  float* part_o = partial.data();  // [heads][n][R][D]
+  float* part_m = part_o + heads * n * R * D;  // [heads][n][R]
+  float* part_l = part_m + heads * n * R;
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
+
+  at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / n, c = item % n, b = h / sh.KV, kvh = h % sh.KV;
+      const int64_t c0 = c * kChunk, len = std::min(kChunk, sh.S - c0);
+      const scalar_t* kc = kp + b * kb + kvh * kh + c0 * D;
+      const scalar_t* vc = vp + b * vb + kvh * vh + c0 * D;
+      attend_chunk<scalar_t>(sh, qt.data() + h * D * rp, kc, vc, c0, len, scratch,
+                             part_o + (h * n + c) * R * D, part_m + (h * n + c) * R,
+                             part_l + (h * n + c) * R);
+    }
+  });
+
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, heads * R, 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch scratch;
+    scratch.row.resize(D);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t h = row / R, r = row % R;
+      merge_row<scalar_t>(sh, part_o + h * n * R * D, part_m + h * n * R, part_l + h * n * R, r,
+                          scratch.row.data(), op + row * D);
+    }
+  });
+}
+
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T) {
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4-d [B, KV, rows, D]");
+  TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors only");
+  TORCH_CHECK(q_in.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "attend: q, k, v must share one dtype");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
+              "attend: dtype must be float32 or bfloat16");
+  TORCH_CHECK(k.sizes() == v.sizes(), "attend: k and v shapes differ");
+  const int64_t B = q_in.size(0), KV = q_in.size(1), R = q_in.size(2), D = q_in.size(3), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == KV && k.size(3) == D, "attend: k is ", k.sizes(), ", q is ",
+              q_in.sizes());
+  TORCH_CHECK(T >= 1 && R % T == 0, "attend: rows (", R, ") must be a multiple of T (", T, ")");
+  TORCH_CHECK(S >= T, "attend: S (", S, ") must be >= T (", T, "): the last T keys are the new tokens");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D,
+              "attend: k and v need contiguous rows of D values, consecutive keys D apart");
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor out = at::empty({B, KV, R, D}, q.options());
+  if (B == 0 || KV == 0 || R == 0 || D == 0) return out;
+  const Shape sh{B, KV, R, T, S, D, (R + kLanes - 1) / kLanes * kLanes, (S + kChunk - 1) / kChunk};
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(sh, q, k, v, scale, out);
+  } else {
+    run<at::BFloat16>(sh, q, k, v, scale, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend, "GQA decode/verification attention over a KV cache (see decode_attention.cpp)");
+  m.attr("chunk") = kChunk;
+}

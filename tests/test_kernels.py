@@ -1,0 +1,159 @@
+"""The C++ attention kernel against its pure-torch reference, its bitwise row independence, and the
+paths where it is off or cannot be built."""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsedraft import kernels
+from sparsedraft.errors import SparsedraftError
+
+
+@pytest.fixture(scope="module")
+def built():
+    if not kernels.enabled():
+        pytest.skip("SPARSEDRAFT_KERNELS=0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if not kernels.available():
+            pytest.skip(f"the C++ kernel does not build here: {kernels._failure}")
+
+
+def _inputs(b, kv, g, t, s, d, dtype, seed=0, q_scale=1.0):
+    """q [B, KV, g*T, D] (non-contiguous) and k, v [B, KV, S, D] views into bigger buffers: extra slots
+    after S and one extra head before, so batch and head strides differ from a packed tensor's."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, kv, d, g * t, generator=gen) * q_scale).to(dtype).transpose(-1, -2)
+    k_buf = torch.randn(b, kv + 1, s + 9, d, generator=gen).to(dtype)
+    v_buf = torch.randn(b, kv + 1, s + 9, d, generator=gen).to(dtype)
+    return q, k_buf[:, 1:, :s], v_buf[:, 1:, :s]
+
+
+SIZES = [1, 255, 256, 257, 1000, 5000]
+CASES = [  # (B, KV, g, T, S, D)
+    *[(1 + i % 2, (1, 3)[i % 2], (3, 1, 4)[i % 3], t, s, d)
+      for i, (t, s, d) in enumerate((t, s, d) for s in SIZES for t in (1, 3, 8, 16) for d in (64, 128)
+                                    if t <= s)],
+    *[(1, 2, 2, t, t, 64) for t in (2, 8, 16)],  # S == T: every key is new
+    (1, 1, 8, 16, 300, 64),  # 128 rows: several row-vector groups
+    (1, 2, 3, 4, 600, 80),   # head_dim not a multiple of 64
+    (1, 1, 2, 2, 70, 72),    # nor of 16
+]
+
+
+@pytest.mark.parametrize("b,kv,g,t,s,d", CASES)
+def test_fp32_matches_reference(built, b, kv, g, t, s, d):
+    q, k, v = _inputs(b, kv, g, t, s, d, torch.float32, q_scale=2.0)
+    out = kernels.attend(q, k, v, d ** -0.5, t)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    # both sit ~1e-6 from an fp64 oracle on outputs of magnitude ~1, in different rounding orders
+    torch.testing.assert_close(out, kernels.attend_reference(q, k, v, d ** -0.5, t), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b,kv,g,t,s,d", CASES[::3])
+def test_bf16_matches_reference(built, b, kv, g, t, s, d):
+    q, k, v = _inputs(b, kv, g, t, s, d, torch.bfloat16)
+    out = kernels.attend(q, k, v, d ** -0.5, t)
+    assert out.dtype == torch.bfloat16
+    ref = kernels.attend_reference(q, k, v, d ** -0.5, t)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g,t,s,d", [(3, 2, 2, 64), (3, 8, 259, 64), (3, 16, 1000, 64), (4, 5, 513, 128),
+                                     (8, 16, 270, 64), (2, 3, 40, 80)])
+def test_rows_equal_one_token_calls_bitwise(built, dtype, g, t, s, d):
+    """Token t's rows of a T-token verification are exactly what a 1-token decode over the first
+    S-T+t+1 keys gives (tails crossing a 256-key chunk boundary included)."""
+    q, k, v = _inputs(1, 2, g, t, s, d, dtype, seed=1, q_scale=3.0)
+    out = kernels.attend(q, k, v, d ** -0.5, t)
+    for token in range(t):
+        seen = s - t + token + 1
+        one = kernels.attend(q[:, :, token::t], k[:, :, :seen], v[:, :, :seen], d ** -0.5, 1)
+        assert torch.equal(out[:, :, token::t], one), f"token {token} of {t} differs from its 1-token call"
+
+
+def test_result_independent_of_thread_count(built):
+    q, k, v = _inputs(2, 3, 3, 8, 3000, 64, torch.float32, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.attend(q, k, v, 0.125, 8)
+        torch.set_num_threads(max(2, threads))
+        many = kernels.attend(q, k, v, 0.125, 8)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_bad_inputs_are_refused(built):
+    q, k, v = _inputs(1, 2, 3, 4, 100, 64, torch.float32)
+    with pytest.raises(SparsedraftError, match="divide"):
+        kernels.attend(q, k, v, 0.125, 5)
+    with pytest.raises(SparsedraftError, match="S must be >= T"):
+        kernels.attend(q[:, :, :12], k[:, :, :3], v[:, :, :3], 0.125, 4)
+    with pytest.raises(SparsedraftError, match="float32 or bfloat16"):
+        kernels.attend(q.half(), k.half(), v.half(), 0.125, 4)
+    token_major = torch.randn(1, 100, 2, 64).transpose(1, 2)  # consecutive keys 2*64 apart
+    with pytest.raises(SparsedraftError, match="consecutive keys"):
+        kernels.attend(q, token_major, token_major, 0.125, 4)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("SPARSEDRAFT_KERNELS", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # turning it off is not worth a warning
+        assert not kernels.available()
+    q, k, v = _inputs(1, 1, 1, 1, 10, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="SPARSEDRAFT_KERNELS=0"):
+        kernels.attend(q, k, v, 0.125, 1)
+
+
+def test_build_failure_warns_once_and_reports_unavailable(monkeypatch):
+    def fail(flags):
+        raise RuntimeError(f"Ninja is required to load C++ extensions\nmore detail ({flags[0]})")
+
+    monkeypatch.setattr(kernels, "_build", fail)
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_failure", None)
+    monkeypatch.delenv("SPARSEDRAFT_KERNELS", raising=False)
+    with pytest.warns(RuntimeWarning) as record:
+        assert not kernels.available()
+        assert not kernels.available()
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "Ninja is required" in message and "SDPA" in message and "\n" not in message
+    q, k, v = _inputs(1, 1, 1, 1, 10, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="Ninja is required"):
+        kernels.attend(q, k, v, 0.125, 1)
+
+
+def test_no_compiler_in_a_fresh_process(tmp_path):
+    """The real failure path: a compiler that does not exist, an empty build cache."""
+    code = ("import warnings\nfrom sparsedraft import kernels\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    print(kernels.available(), kernels.available(), len(seen))\n"
+            "    print(seen[0].message if seen else '')\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path),
+           "PYTHONPATH": str(Path(kernels.__file__).parents[2])}
+    env.pop("SPARSEDRAFT_KERNELS", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    first, message = run.stdout.splitlines()[:2]
+    assert first == "False False 1"
+    assert "unavailable" in message and "not found" in message and "SDPA" in message
+    assert "WARNING" not in run.stderr  # torch's own compiler notices are held back
+
+
+def test_build_failure_reason_is_the_telling_line():
+    gcc = RuntimeError("Error building extension 'x': [1/2] c++ -O3 -c /a/decode_attention.cpp -o decode_attention.o\n"
+                       "FAILED: decode_attention.o\n/a/decode_attention.cpp:9:1: error: expected ';' before '}'\n"
+                       "ninja: build stopped: subcommand failed.")
+    assert kernels._reason(gcc) == "RuntimeError: /a/decode_attention.cpp:9:1: error: expected ';' before '}'"
+    assert kernels._reason(OSError("")) == "OSError: no message"
