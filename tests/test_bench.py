@@ -25,7 +25,8 @@ TINY = dict(model="tiny-llama", device="cpu", context=48, new_tokens=4, warmup=0
 SHARED = ["--model", "tiny-llama", "--device", "cpu", "--warmup", "0", "--repeats", "1"]
 
 
-@pytest.mark.parametrize("bad, match", [(dict(new_tokens=1), "new_tokens"), (dict(dtype="int8"), "dtype"),
+@pytest.mark.parametrize("bad, match", [(dict(new_tokens=1), "new_tokens"), (dict(dtypes=("int8",)), "dtypes"), (dict(dtypes=()), "dtypes"),
+                                        (dict(verify_contexts=(3,)), "verify_contexts"),
                                         (dict(context=0), "context"), (dict(repeats=0), "repeats"),
                                         (dict(split="dev"), "split")])
 def test_config_validation(bad, match):
@@ -40,22 +41,29 @@ def test_cuda_request_without_cuda():
 
 
 def test_ar_bench_returns_consistent_rows():
-    result = run_ar_bench(ArBenchConfig(**TINY, hf=True))
+    result = run_ar_bench(ArBenchConfig(**TINY, hf=True, dtypes=("fp32", "bf16"), verify_contexts=(96,)))
     cfg = sparsedraft.weights.load_config("tiny-llama")
-    assert [r.engine for r in result.engines] == ["sparsedraft", "transformers"]
-    assert result.prompt_len == 48 and result.tokens_match and result.matching_prefix == 4
-    assert result.bytes_per_token == bytes_per_token(cfg, 48 + 4 // 2, 4)
-    assert result.weight_bytes == weight_bytes(cfg, 4) and result.kv_bytes_at_context == kv_bytes(cfg, 48, 4)
-    for row in result.engines:
-        assert row.prefill_s > 0 and row.ms_per_token > 0
-        assert row.tokens_per_s == pytest.approx(1000 / row.ms_per_token)
-        assert row.bandwidth_gbps * 1e9 == pytest.approx(result.bytes_per_token / (row.ms_per_token / 1000))
-        assert row.bandwidth_fraction == pytest.approx(row.bandwidth_gbps / result.read_bandwidth_gbps)
-    assert result.hf_ms_over_ours == pytest.approx(result.engines[1].ms_per_token / result.engines[0].ms_per_token)
-    v = result.verify
-    assert (v.tokens, v.context) == (7, 48) and v.decode1_ms > 0 and v.verify_ms > 0
-    assert v.cost_ratio == pytest.approx(v.verify_ms / v.decode1_ms)
+    assert [run.dtype for run in result.runs] == ["fp32", "bf16"] and result.prompt_len == 48
+    for run, size in zip(result.runs, (4, 2)):
+        assert [r.engine for r in run.engines] == ["sparsedraft", "transformers"]
+        assert run.tokens_match and run.matching_prefix == 4
+        assert run.bytes_per_token == bytes_per_token(cfg, 48 + 4 // 2, size)
+        assert run.weight_bytes == weight_bytes(cfg, size) and run.kv_bytes_at_context == kv_bytes(cfg, 48, size)
+        assert run.floor_ms == pytest.approx(1000 * run.bytes_per_token / (result.read_bandwidth_gbps * 1e9))
+        for row in run.engines:
+            assert row.prefill_s > 0 and row.ms_per_token > 0
+            assert row.tokens_per_s == pytest.approx(1000 / row.ms_per_token)
+            assert row.bandwidth_gbps * 1e9 == pytest.approx(run.bytes_per_token / (row.ms_per_token / 1000))
+            assert row.bandwidth_fraction == pytest.approx(row.bandwidth_gbps / result.read_bandwidth_gbps)
+        ours, hf = run.engines
+        assert run.ours_over_floor == pytest.approx(ours.ms_per_token / run.floor_ms)
+        assert run.hf_ms_over_ours == pytest.approx(hf.ms_per_token / ours.ms_per_token)
+        assert run.hf_prefill_over_ours == pytest.approx(hf.prefill_s / ours.prefill_s)
+        assert [(v.tokens, v.context, v.filled) for v in run.verify] == [(7, 48, "prefill"), (7, 96, "random")]
+        for v in run.verify:
+            assert v.decode1_ms > 0 and v.verify_ms > 0 and v.cost_ratio == pytest.approx(v.verify_ms / v.decode1_ms)
     assert "transformers" in result.to_dict()["versions"]
+    assert "verify-7 / decode-1 at context 96 (random)" in result.table()
 
 
 def test_matching_prefix_and_table():
@@ -65,11 +73,13 @@ def test_matching_prefix_and_table():
 
 
 def test_ar_cli_prints_the_table_then_the_same_numbers_as_json(capsys):
-    assert main(["bench", "ar", *SHARED, "--context", "32", "--new-tokens", "3", "--no-hf", "--read-mib", "1"]) == 0
+    assert main(["bench", "ar", *SHARED, "--context", "32", "--new-tokens", "3", "--no-hf", "--read-mib", "1",
+                 "--dtypes", "fp32"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     record = json.loads(lines[-1])
     assert record["bench"] == "ar" and record["config"]["context"] == 32 and record["config"]["hf"] is False
-    [engine] = record["engines"]
+    [run] = record["runs"]
+    [engine] = run["engines"]
     assert engine["engine"] == "sparsedraft" and engine["ms_per_token"] > 0
     assert f"{engine['ms_per_token']:.2f}" in "\n".join(lines[:-1])
 

@@ -8,7 +8,10 @@ Every cache follows one protocol, driven by :meth:`Transformer.forward`:
 2. ``attend(layer, k, v)`` per layer with the new keys/values
    ``[B, kv_heads, T, head_dim]``; stores them and returns
    ``(keys, values, mask)`` where keys/values are ``[B, kv_heads, S, head_dim]``
-   views and ``mask`` is ``None`` (attend to all S) or bool ``[B, 1, T, S]``.
+   views and ``mask`` is ``None`` (attend to all S), :data:`CAUSAL` (the T
+   new tokens are the last T keys and each sees every key before it: plain
+   decoding, verification and prefill chunks over a full cache, which lets
+   the model use causal kernels that read no mask) or bool ``[B, 1, T, S]``.
 3. ``end()`` commits the T tokens.
 
 ``rollback(n)`` forgets the last n committed tokens (rejected drafts) and
@@ -23,6 +26,29 @@ import torch
 
 from .config import ModelConfig
 from .errors import require
+
+
+class Causal:
+    """The mask of a full cache in order: the T new tokens are the last T of S keys, each attending to every
+    key before it and to itself. :func:`causal_tail` is the same mask written out."""
+
+    def __repr__(self) -> str:
+        return "CAUSAL"
+
+
+CAUSAL = Causal()
+
+
+def causal_tail(t: int, s: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool [1, 1, t, s]: :data:`CAUSAL` as a tensor (query i sees keys 0 .. s - t + i)."""
+    return (torch.arange(s, device=device)[None] <= torch.arange(s - t, s, device=device)[:, None])[None, None]
+
+
+def in_order(positions: torch.Tensor, stored: torch.Tensor) -> bool:
+    """True when ``positions`` [B, T] rise strictly and follow every ``stored`` [B, S] position (then the
+    positional causal mask is :data:`CAUSAL`)."""
+    rising = positions.shape[1] == 1 or bool((positions[:, 1:] > positions[:, :-1]).all())
+    return rising and (stored.shape[1] == 0 or bool((stored.amax(1) < positions[:, 0]).all()))
 
 
 class KVCache:
@@ -71,7 +97,7 @@ class StaticCache(KVCache):
         self.window = cfg.sliding_window
         self.max_len, self.batch, self.length = max_len, batch, 0
         self._new = 0
-        self._mask: torch.Tensor | None = None
+        self._mask: torch.Tensor | Causal | None = None
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor:
         n = positions.shape[1]
@@ -79,10 +105,11 @@ class StaticCache(KVCache):
                 f"prompt/step of {n} tokens does not fit: cache holds {self.length} of {self.max_len} slots; "
                 f"create the cache with max_len >= {self.length + n}")
         end = self.length + n
-        self.pos[:, self.length:end] = positions
         self._new = n
-        needs_mask = n > 1 or (self.window is not None and end > self.window)
-        self._mask = causal_mask(positions, self.pos[:, :end], self.window) if needs_mask else None
+        windowed = self.window is not None and end > self.window
+        ordered = not windowed and in_order(positions, self.pos[:, :self.length])
+        self.pos[:, self.length:end] = positions
+        self._mask = CAUSAL if ordered else causal_mask(positions, self.pos[:, :end], self.window)
         return positions
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):

@@ -42,7 +42,7 @@ class _ShapeRecorder(KVCache):
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         keys, values, mask = self.inner.attend(layer, k, v)
-        self.shapes.append((tuple(keys.shape), tuple(values.shape), None if mask is None else tuple(mask.shape)))
+        self.shapes.append((tuple(keys.shape), tuple(values.shape), tuple(getattr(mask, "shape", (repr(mask),)))))
         return keys, values, mask
 
     def end(self) -> None:

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, SequenceView, StaticCache
+from . import kernels
+from .cache import CAUSAL, Causal, KVCache, SequenceView, StaticCache, causal_tail
 from .config import ModelConfig
 from .errors import require
 from .rope import Rotary
@@ -59,29 +60,88 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Causal | None,
               scale: float, need_weights: bool = False):
-    """q [B, H, T, D], k/v [B, KV, S, D], mask None or bool [B, 1, T, S].
+    """q [B, H, T, D], k/v [B, KV, S, D], mask None, :data:`~sparsedraft.cache.CAUSAL` or bool [B, 1, T, S].
 
-    Returns (out [B, H, T, D], weights [B, H, T, S] or None).
+    Returns (out [B, H, T, D], weights [B, H, T, S] or None). Paths, first that applies:
+    explicit softmax when weights are asked for; flash-attn on CUDA (fp16/bf16);
+    on CPU without autograd, a :data:`CAUSAL` step of at most
+    :data:`KERNEL_MAX_TOKENS` new tokens (decode, verification) through
+    the compiled kernel, which reads each key once for every query of its group
+    and gives each query the same bits whatever the step's length (what keeps
+    speculative greedy output equal to plain greedy output in bf16); SDPA
+    otherwise (causal prefill chunks without a mask tensor, see :func:`_sdpa`).
     """
     b, h, t, d = q.shape
     kv = k.shape[1]
-    g = h // kv
-    qg = q.reshape(b, kv, g * t, d)
-    mg = None if mask is None else mask[:, :, None].expand(-1, -1, g, -1, -1).reshape(b, 1, g * t, -1)
     if need_weights:
+        if mask is CAUSAL:
+            mask = causal_tail(t, k.shape[2], q.device)
+        g = h // kv
+        qg = q.reshape(b, kv, g * t, d)
         scores = (qg @ k.transpose(-1, -2)).float() * scale
-        if mg is not None:
+        if mask is not None:
+            mg = mask[:, :, None].expand(b, -1, g, -1, -1).reshape(b, 1, g * t, -1)
             scores = scores.masked_fill(~mg, float("-inf"))
         w = scores.softmax(-1)
         out = (w.to(v.dtype) @ v).reshape(b, h, t, -1)
         return out, w.reshape(b, h, t, -1)
-    if _flash_attn_func is not None and q.is_cuda and mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        out = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
-        return out.transpose(1, 2), None
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
-    return out.reshape(b, h, t, -1), None
+    if mask is CAUSAL or mask is None:
+        causal = mask is CAUSAL and t > 1
+        if _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            out = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                                   causal=causal)  # bottom-right aligned: the CAUSAL convention
+            return out.transpose(1, 2), None
+        if mask is CAUSAL and _kernel_fits(q, t):
+            out = kernels.attend(q.reshape(b, kv, (h // kv) * t, d), k, v, scale, t)
+            return out.reshape(b, h, t, d), None
+        return _sdpa(q, k, v, (t, k.shape[2]) if causal else None, scale), None
+    return _sdpa(q, k, v, mask, scale), None
+
+
+KERNEL_MAX_TOKENS = 16  # longest step (gamma + 1 tokens) sent to the C++ kernel; longer ones are prefill chunks
+
+
+def _kernel_fits(q: torch.Tensor, t: int) -> bool:
+    """A step the C++ kernel takes: CPU, fp32/bf16, no autograd, at most KERNEL_MAX_TOKENS new tokens."""
+    return (q.device.type == "cpu" and t <= KERNEL_MAX_TOKENS and q.dtype in kernels.DTYPES
+            and not (torch.is_grad_enabled() and q.requires_grad) and kernels.available())
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | tuple[int, int] | None,
+          scale: float) -> torch.Tensor:
+    """torch SDPA; ``mask`` None, bool [B, 1, T, S] or (T, S) for :data:`CAUSAL`.
+
+    One query token folds its group into the sequence axis ([B, H, 1, D] ->
+    [B, KV, g, D]) so each key is read once; longer steps keep their heads
+    (``enable_gqa``) so the mask broadcasts over them instead of being copied
+    g times. A causal step whose new tokens are all the keys (the first
+    prefill chunk) passes ``is_causal`` and no mask; a later chunk passes one
+    additive float mask per forward, shared by every layer (:func:`_additive`).
+    """
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    if t == 1 and mask is None:
+        out = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv, d), k, v, scale=scale)
+        return out.reshape(b, h, t, d)
+    if isinstance(mask, tuple) and t == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=kv != h)
+    bias = None if mask is None else _additive(mask, q.dtype, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=kv != h)
+
+
+_BIAS: dict = {}  # one forward's additive masks, converted once for all its layers; emptied when it ends
+
+
+def _additive(mask: torch.Tensor | tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The 0 / -inf float form of a bool mask, or of :data:`CAUSAL` given as (T, S); kept until the forward
+    ends, so its layers convert it once instead of SDPA converting it in every call."""
+    key = (mask if isinstance(mask, tuple) else id(mask), dtype)
+    if key not in _BIAS:
+        keep = causal_tail(*mask, device) if isinstance(mask, tuple) else mask
+        _BIAS[key] = (mask, torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf")))
+    return _BIAS[key][1]  # the entry holds the mask too, so its id cannot be reused while it lives
 
 
 class Attention(nn.Module):
@@ -192,6 +252,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         for block in self.layers:
             x = block(x, angles, cache, capture)
+        _BIAS.clear()  # a converted mask (up to T x S floats) is not kept past its forward
         cache.end()
         if last_only:
             x = x[:, -1:]

@@ -9,26 +9,36 @@ per further token. Time per token is :attr:`DecodeResult.ms_per_token` for
 both: decode seconds over the ``new_tokens - 1`` tokens the decode phase
 emitted. The bench also times a ``verify_tokens``-token forward against the
 full cache (a speculative verification of gamma + 1 tokens, rolled back after
-each) against a one-token forward at the same context, and turns the decode
-time into achieved bandwidth with the byte counts of :mod:`sparsedraft.roofline`.
+each) against a one-token forward at the same context, and at further
+contexts over a cache of random keys and values (``verify_contexts``: the work
+of a step does not depend on the values, so 32K needs no 6-minute prefill),
+and turns the decode time into achieved bandwidth and a multiple of the read
+floor (bytes per token over the bandwidth measured here with a >= 1 GiB read,
+the only speed reference that carries across machines) with the byte counts
+of :mod:`sparsedraft.roofline`. Each dtype (fp32 and bf16 by default) is
+timed in turn in the same process, with its own model copy.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import weights
+from .. import kernels, weights
 from ..data import SPLITS, bench_prompt
 from ..decoding import DecodeResult, decode
 from ..errors import require
-from ..generate import prefill, synchronize
+from ..cache import StaticCache
+from ..generate import synchronize
 from ..model import Transformer
+from ..prefilled import prefill_prompt
 from ..report import format_table
 from ..roofline import MIB, bytes_per_token, kv_bytes, measure_read_bandwidth, weight_bytes
 from ..runtime import DTYPES, device_name, resolve_device
@@ -41,7 +51,8 @@ GB = 1e9
 @dataclass(frozen=True)
 class ArBenchConfig:
     model: str = field(default="smollm2-135m", metadata={"help": "short name, .gguf, folder or HF id"})
-    dtype: str = field(default="fp32", metadata={"help": "weights and KV cache dtype", "choices": tuple(DTYPES)})
+    dtypes: tuple[str, ...] = field(default=("fp32", "bf16"), metadata={
+        "help": "weights and KV cache dtypes, each timed in turn in this process", "choices": tuple(DTYPES)})
     device: str = field(default="auto", metadata={"help": "auto (CUDA if present), cpu, cuda, cuda:N"})
     context: int = field(default=8000, metadata={"help": "prompt tokens (essay text)"})
     new_tokens: int = field(default=128, metadata={"help": "greedy tokens generated per run (>= 2)"})
@@ -52,9 +63,15 @@ class ArBenchConfig:
     split: str = field(default="all", metadata={"help": "essay split the prompt comes from", "choices": SPLITS})
     variant: int = field(default=0, metadata={"help": "which prompt window of the corpus"})
     read_mib: int = field(default=1024, metadata={"help": "MiB read to measure memory bandwidth (>= 1024)"})
+    verify_contexts: tuple[int, ...] = field(default=(), metadata={
+        "help": "further contexts at which decode-1 and verify-k are timed over a cache of random keys and values "
+                "(no prefill: the work does not depend on the values), up to the model's maximum context"})
 
     def __post_init__(self) -> None:
-        require(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        require(len(self.dtypes) >= 1 and all(d in DTYPES for d in self.dtypes),
+                f"dtypes must be one or more of {tuple(DTYPES)}, got {self.dtypes!r}")
+        require(all(c >= self.verify_tokens for c in self.verify_contexts),
+                f"verify_contexts must each be >= verify_tokens ({self.verify_tokens}), got {self.verify_contexts}")
         require(self.split in SPLITS, f"split must be one of {SPLITS}, got {self.split!r}")
         require(self.context > 0, f"context must be > 0 tokens, got {self.context}")
         require(self.new_tokens >= 2, f"new_tokens must be >= 2 (one prefill token plus decode steps), "
@@ -84,6 +101,27 @@ class VerifyRow:
     decode1_ms: float  # one-token forward against the full cache
     verify_ms: float  # ``tokens``-token forward against the same cache
     cost_ratio: float  # verify_ms / decode1_ms (1.0 = verification is free)
+    filled: str  # "prefill" (the essay prompt) or "random" (keys and values drawn at random, no prefill)
+    model_cache_mib: float  # the model's parameters plus this full cache's buffers
+    resident_mib: float | None  # the process's resident set while this cache is held (Linux), after the steps
+
+
+@dataclass
+class DtypeRun:
+    """One dtype's timings: both engines' decode and prefill, the read floor, verification cost."""
+
+    dtype: str
+    weight_bytes: int
+    kv_bytes_at_context: int
+    bytes_per_token: int  # at the mean decode context, context + new_tokens // 2
+    floor_ms: float  # bytes_per_token / measured read bandwidth: no decode step can be faster
+    engines: list[EngineRow]
+    verify: list[VerifyRow]  # at the prompt first, then at each of config.verify_contexts
+    ours_over_floor: float  # our ms/token / floor_ms (1.0 = at the read bandwidth)
+    hf_ms_over_ours: float | None  # transformers ms/token / ours (> 1: we are faster)
+    hf_prefill_over_ours: float | None  # transformers prefill s / ours
+    tokens_match: bool | None  # greedy tokens identical across engines
+    matching_prefix: int | None  # leading tokens the engines agree on
 
 
 @dataclass
@@ -92,36 +130,35 @@ class ArBenchResult:
     device: str
     prompt_len: int
     read_bandwidth_gbps: float
-    weight_bytes: int
-    kv_bytes_at_context: int
-    bytes_per_token: int  # at the mean decode context, context + new_tokens // 2
-    engines: list[EngineRow]
-    verify: VerifyRow
-    hf_ms_over_ours: float | None  # transformers ms/token / ours (> 1: we are faster)
-    tokens_match: bool | None  # greedy tokens identical across engines
-    matching_prefix: int | None  # leading tokens the engines agree on
+    runs: list[DtypeRun]
     versions: dict[str, str] = field(default_factory=dict)
     cpu_threads: int = field(default_factory=torch.get_num_threads)  # CPU timings depend on it
+    kernel: str = ""  # which attention path decode steps took (C++ kernel or SDPA), see sparsedraft.kernels
 
     def to_dict(self) -> dict[str, Any]:
         return {"bench": "ar", **asdict(self)}
 
     def table(self) -> str:
-        head = (f"ar bench: {self.config.model} {self.config.dtype} on {self.device} ({self.cpu_threads} CPU "
-                f"threads), prompt {self.prompt_len} "
-                f"tokens, {self.config.new_tokens} new tokens, median of {self.config.repeats}\n"
-                f"bytes/token {self.bytes_per_token / 1e6:.1f} MB (weights {self.weight_bytes / 1e6:.1f} MB, "
-                f"KV at prompt {self.kv_bytes_at_context / 1e6:.1f} MB); read bandwidth "
-                f"{self.read_bandwidth_gbps:.1f} GB/s\n")
-        rows = [[r.engine, f"{r.prefill_s:.3f}", f"{r.ms_per_token:.2f}", f"{r.tokens_per_s:.1f}",
-                 f"{r.bandwidth_gbps:.1f}", f"{100 * r.bandwidth_fraction:.0f}%"] for r in self.engines]
-        lines = [head + format_table(["engine", "prefill s", "decode ms/tok", "tok/s", "GB/s", "of read"], rows)]
-        if self.hf_ms_over_ours is not None:
-            lines.append(f"transformers ms / ours ms: {self.hf_ms_over_ours:.2f}x; greedy tokens "
-                         f"{'match' if self.tokens_match else 'differ'} (first {self.matching_prefix} agree)")
-        v = self.verify
-        lines.append(f"verify-{v.tokens} / decode-1 at context {v.context}: {v.verify_ms:.2f} ms / "
-                     f"{v.decode1_ms:.2f} ms = {v.cost_ratio:.2f}x")
+        lines = [f"ar bench: {self.config.model} on {self.device} ({self.cpu_threads} CPU threads, attention: "
+                 f"{self.kernel}), prompt {self.prompt_len} tokens, {self.config.new_tokens} new tokens, median "
+                 f"of {self.config.repeats}; read bandwidth {self.read_bandwidth_gbps:.1f} GB/s"]
+        for run in self.runs:
+            lines.append(f"\n{run.dtype}: bytes/token {run.bytes_per_token / 1e6:.1f} MB (weights "
+                         f"{run.weight_bytes / 1e6:.1f} MB, KV at prompt {run.kv_bytes_at_context / 1e6:.1f} MB): "
+                         f"floor {run.floor_ms:.1f} ms/token")
+            rows = [[r.engine, f"{r.prefill_s:.3f}", f"{r.ms_per_token:.2f}", f"{r.tokens_per_s:.1f}",
+                     f"{r.bandwidth_gbps:.1f}", f"{100 * r.bandwidth_fraction:.0f}%"] for r in run.engines]
+            lines.append(format_table(["engine", "prefill s", "decode ms/tok", "tok/s", "GB/s", "of read"], rows))
+            lines.append(f"ours / floor: {run.ours_over_floor:.2f}x")
+            if run.hf_ms_over_ours is not None:
+                lines.append(f"transformers / ours: decode {run.hf_ms_over_ours:.2f}x, prefill "
+                             f"{run.hf_prefill_over_ours:.2f}x; greedy tokens "
+                             f"{'match' if run.tokens_match else 'differ'} (first {run.matching_prefix} agree)")
+            for v in run.verify:
+                resident = "" if v.resident_mib is None else f", process resident {v.resident_mib:.0f} MiB"
+                lines.append(f"verify-{v.tokens} / decode-1 at context {v.context} ({v.filled}): "
+                             f"{v.verify_ms:.2f} ms / {v.decode1_ms:.2f} ms = {v.cost_ratio:.2f}x; model + cache "
+                             f"{v.model_cache_mib:.0f} MiB{resident}")
         return "\n".join(lines)
 
 
@@ -172,15 +209,14 @@ def engine_row(engine: str, runs: list[DecodeResult], bytes_read: int, read_band
 
 
 @torch.inference_mode()
-def time_verify(model: Transformer, prompt: torch.Tensor, tokens: int, iters: int) -> VerifyRow:
-    """Mean time of a ``tokens``-token forward vs a 1-token forward, both at the prompt's context.
+def time_verify(model: Transformer, cache: StaticCache, tokens: int, iters: int, filled: str) -> VerifyRow:
+    """Mean time of a ``tokens``-token forward vs a 1-token forward over ``cache`` (left as it was).
 
     Each forward is rolled back at once, so every one sees the same cache
     length and the ratio isolates the extra query tokens.
     """
-    cache = model.new_cache(prompt.shape[1] + tokens)
-    prefill(model, cache, prompt)
-    batch = prompt[:, -tokens:]
+    batch = torch.randint(0, model.cfg.vocab_size, (cache.batch, tokens), generator=torch.Generator().manual_seed(0))
+    batch = batch.to(model.device)
 
     def mean_ms(n: int) -> float:
         model(batch[:, :n], cache=cache)  # warm-up at this shape
@@ -194,7 +230,30 @@ def time_verify(model: Transformer, prompt: torch.Tensor, tokens: int, iters: in
         return 1000 * (time.perf_counter() - start) / iters
 
     decode1, verify = mean_ms(1), mean_ms(tokens)
-    return VerifyRow(prompt.shape[1], tokens, decode1, verify, verify / decode1)
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *cache.k, *cache.v, cache.pos))
+    return VerifyRow(cache.length, tokens, decode1, verify, verify / decode1, filled, held / MIB, resident_mib())
+
+
+def resident_mib() -> float | None:
+    """This process's resident set size in MiB (``/proc/self/statm``), or None where that file is missing."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+def random_cache(model: Transformer, context: int, room: int) -> StaticCache:
+    """A full cache holding ``context`` tokens of random keys and values at positions 0..context-1."""
+    generator = torch.Generator().manual_seed(0)
+    kv = (1, model.cfg.num_kv_heads, context, model.cfg.head_dim)
+    state = {"pos": torch.arange(context)[None]}
+    for layer in range(model.cfg.num_layers):
+        for kind in "kv":
+            state[f"{kind}{layer}"] = torch.randn(kv, generator=generator).to(model.device, model.dtype)
+    cache = model.new_cache(context + room)
+    cache.load_state(state)
+    return cache
 
 
 def matching_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -204,35 +263,59 @@ def matching_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def run_ar_bench(cfg: ArBenchConfig, progress: bool = False) -> ArBenchResult:
-    """Time our engine (and transformers unless ``cfg.hf`` is False) on one essay prompt."""
+    """Time our engine (and transformers unless ``cfg.hf`` is False) on one essay prompt, in each dtype."""
     device = resolve_device(cfg.device)
-    dtype = DTYPES[cfg.dtype]
     limit = weights.load_config(cfg.model).max_position_embeddings
-    total = cfg.context + max(cfg.new_tokens, cfg.verify_tokens)
+    longest = max((cfg.context, *cfg.verify_contexts))
+    total = longest + max(cfg.new_tokens, cfg.verify_tokens)
     require(total <= limit,
-            f"context {cfg.context} + {max(cfg.new_tokens, cfg.verify_tokens)} new tokens = {total} exceeds the "
-            f"maximum context of {cfg.model} ({limit}); lower --context or --new-tokens")
-    model = weights.load_model(cfg.model, dtype, device)
+            f"context {longest} + {max(cfg.new_tokens, cfg.verify_tokens)} new "
+            f"tokens = {total} exceeds the maximum context of {cfg.model} ({limit}); lower --context, "
+            "--verify-contexts or --new-tokens")
+    require(not (cfg.hf and cfg.model in weights.EXTENDED),
+            f"{cfg.model} is a config extension of {weights.EXTENDED.get(cfg.model, ('',))[0]} that transformers "
+            "would load without its RoPE scaling; pass --no-hf (or time the base model against transformers)")
     prompt = bench_prompt(cfg.model, cfg.context, cfg.split, cfg.variant).to(device)
-
     read_bw = measure_read_bandwidth(device, cfg.read_mib * MIB)
-    dtype_bytes = dtype.itemsize
-    bytes_read = bytes_per_token(model.cfg, cfg.context + cfg.new_tokens // 2, dtype_bytes)
-    runners = {"sparsedraft": lambda: decode(model, prompt, "ar", cfg.new_tokens)}
     versions = {"torch": torch.__version__}
     if cfg.hf:
         import transformers
         versions["transformers"] = transformers.__version__
+    runs = [_dtype_run(cfg, name, prompt, device, read_bw, progress) for name in cfg.dtypes]
+    kernel = "C++ kernel" if device.type == "cpu" and kernels.available() else "torch SDPA"
+    return ArBenchResult(cfg, device_name(device), prompt.shape[1], read_bw / GB, runs, versions, kernel=kernel)
+
+
+def _dtype_run(cfg: ArBenchConfig, name: str, prompt: torch.Tensor, device: torch.device, read_bw: float,
+               progress: bool) -> DtypeRun:
+    dtype = DTYPES[name]
+    model = weights.load_model(cfg.model, dtype, device)
+    dtype_bytes = dtype.itemsize
+    bytes_read = bytes_per_token(model.cfg, cfg.context + cfg.new_tokens // 2, dtype_bytes)
+    runners = {"sparsedraft": lambda: decode(model, prompt, "ar", cfg.new_tokens)}
+    if cfg.hf:
         hf = load_hf_oracle(cfg.model, model, dtype, device)
         runners["transformers"] = lambda: hf_generate(hf, prompt, cfg.new_tokens)
     runs = interleaved_runs(runners, cfg.warmup, cfg.repeats, progress)
-    engines = [engine_row(name, results, bytes_read, read_bw) for name, results in runs.items()]
-    verify = time_verify(model, prompt, cfg.verify_tokens, cfg.new_tokens)
-    ratio = match = prefix = None
+    if cfg.hf:
+        del hf, runners["transformers"]
+    engines = [engine_row(engine, results, bytes_read, read_bw) for engine, results in runs.items()]
+    prefilled = prefill_prompt(model, prompt)
+    cache = model.new_cache(prompt.shape[1] + cfg.verify_tokens)
+    cache.load_state(prefilled.cache.state())
+    del prefilled
+    verify = [time_verify(model, cache, cfg.verify_tokens, cfg.new_tokens, "prefill")]
+    del cache
+    for context in cfg.verify_contexts:
+        verify.append(time_verify(model, random_cache(model, context, cfg.verify_tokens), cfg.verify_tokens,
+                                  cfg.new_tokens, "random"))
+    floor_ms = 1000 * bytes_read / read_bw
+    ratio = prefill_ratio = match = prefix = None
     if cfg.hf:
         ratio = engines[1].ms_per_token / engines[0].ms_per_token
+        prefill_ratio = engines[1].prefill_s / engines[0].prefill_s
         prefix = matching_prefix(runs["sparsedraft"][-1].tokens, runs["transformers"][-1].tokens)
         match = prefix == cfg.new_tokens
-    return ArBenchResult(cfg, device_name(device), prompt.shape[1], read_bw / GB,
-                         weight_bytes(model.cfg, dtype_bytes), kv_bytes(model.cfg, cfg.context, dtype_bytes),
-                         bytes_read, engines, verify, ratio, match, prefix, versions)
+    return DtypeRun(name, weight_bytes(model.cfg, dtype_bytes), kv_bytes(model.cfg, cfg.context, dtype_bytes),
+                    bytes_read, floor_ms, engines, verify, engines[0].ms_per_token / floor_ms, ratio, prefill_ratio,
+                    match, prefix)
