@@ -36,13 +36,14 @@ from ..data import SPLITS, bench_prompt
 from ..decoding import DecodeResult, decode
 from ..errors import require
 from ..cache import StaticCache
-from ..generate import synchronize
+from ..generate import PREFILL_CHUNK, synchronize
 from ..model import Transformer
 from ..prefilled import prefill_prompt
 from ..report import format_table
 from ..roofline import MIB, bytes_per_token, kv_bytes, measure_read_bandwidth, weight_bytes
 from ..runtime import DTYPES, device_name, resolve_device
 from ..tiny import tiny_hf_config
+from .gpu_levels import fill_random
 from .timing import interleaved_runs
 
 GB = 1e9
@@ -244,15 +245,10 @@ def resident_mib() -> float | None:
 
 
 def random_cache(model: Transformer, context: int, room: int) -> StaticCache:
-    """A full cache holding ``context`` tokens of random keys and values at positions 0..context-1."""
-    generator = torch.Generator().manual_seed(0)
-    kv = (1, model.cfg.num_kv_heads, context, model.cfg.head_dim)
-    state = {"pos": torch.arange(context)[None]}
-    for layer in range(model.cfg.num_layers):
-        for kind in "kv":
-            state[f"{kind}{layer}"] = torch.randn(kv, generator=generator).to(model.device, model.dtype)
+    """A full cache holding ``context`` tokens of random keys and values at positions 0..context-1, appended
+    through the cache protocol a chunk at a time (no prompt forward, no second copy of the cache)."""
     cache = model.new_cache(context + room)
-    cache.load_state(state)
+    fill_random(cache, model.cfg, context, PREFILL_CHUNK, model.dtype, model.device)
     return cache
 
 
