@@ -24,10 +24,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -300,27 +302,28 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
   const scalar_t* vp = v.data_ptr<scalar_t>();
   const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
 
+  // One parallel region: whichever thread finishes a head's last chunk merges that head (in chunk
+  // order, so who merges does not matter). No second region, no barrier in between.
+  std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[heads]);
+  for (int64_t h = 0; h < heads; ++h) finished[h].store(0, std::memory_order_relaxed);
+  scalar_t* op = out.data_ptr<scalar_t>();
+
   at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
+    scratch.row.resize(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / n, c = item % n, b = h / sh.KV, kvh = h % sh.KV;
       const int64_t c0 = c * kChunk, len = std::min(kChunk, sh.S - c0);
       const scalar_t* kc = kp + b * kb + kvh * kh + c0 * D;
       const scalar_t* vc = vp + b * vb + kvh * vh + c0 * D;
-      attend_chunk<scalar_t>(sh, qt.data() + h * D * rp, kc, vc, c0, len, scratch,
-                             part_o + (h * n + c) * R * D, part_m + (h * n + c) * R,
-                             part_l + (h * n + c) * R);
-    }
-  });
-
-  scalar_t* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, heads * R, 1, [&](int64_t begin, int64_t end) {
-    thread_local Scratch scratch;
-    scratch.row.resize(D);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t h = row / R, r = row % R;
-      merge_row<scalar_t>(sh, part_o + h * n * R * D, part_m + h * n * R, part_l + h * n * R, r,
-                          scratch.row.data(), op + row * D);
+      float* ho = part_o + h * n * R * D;
+      float* hm = part_m + h * n * R;
+      float* hl = part_l + h * n * R;
+      attend_chunk<scalar_t>(sh, qt.data() + h * D * rp, kc, vc, c0, len, scratch, ho + c * R * D, hm + c * R,
+                             hl + c * R);
+      if (finished[h].fetch_add(1, std::memory_order_acq_rel) + 1 == n)
+        for (int64_t r = 0; r < R; ++r)
+          merge_row<scalar_t>(sh, ho, hm, hl, r, scratch.row.data(), op + (h * R + r) * D);
     }
   });
 }
