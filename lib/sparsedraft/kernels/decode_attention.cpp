@@ -5,15 +5,16 @@
 // than the one pass over memory they need. Here all R = g*T query rows of a KV head share each load
 // of a key (scores) and of a value (weighted sum).
 //
-// Work split: items are (batch, kv head, chunk of kChunk keys). Chunk boundaries are fixed by key
-// position, never by thread count, and every chunk's partial result (row max, sum of exponentials,
-// unnormalised output) is merged in chunk order. Inside a chunk, each query row is a separate lane
-// that follows one fixed sequence of operations over its visible keys; blocking (several rows or
-// keys at once) only changes which lanes run side by side. So a row's output depends on its query
-// and its visible keys alone: a T-row verification gives, bit for bit, what T one-token decodes
-// over the growing prefix give. Multiply-adds are explicit (madd) and the build turns off
-// floating-point contraction, so every copy of a loop rounds the same way. `omp simd` marks the lane
-// loops (no reductions across lanes) so the compiler vectorises them the way they are written.
+// Work split: items are (batch, kv head, chunk of kChunk keys), taken by threads from a shared
+// counter. Chunk boundaries are fixed by key position, never by thread count, and every chunk's
+// partial result (row max, sum of exponentials, unnormalised output) is merged in chunk order.
+// Inside a chunk, each query row is a separate lane that follows one fixed sequence of operations
+// over its visible keys; blocking (several rows or keys at once) only changes which lanes run side
+// by side. So a row's output depends on its query and its visible keys alone: a T-row verification
+// gives, bit for bit, what T one-token decodes over the growing prefix give. Multiply-adds are
+// explicit (madd) and the build turns off floating-point contraction, so every copy of a loop rounds
+// the same way. `omp simd` marks the lane loops (no reductions across lanes) so the compiler
+// vectorises them the way they are written.
 //
 // Layouts: q [B, KV, R, D] with row r = i*T + t (query head i of the group, new token t); k, v
 // [B, KV, S, D] with the last dimension contiguous and consecutive keys D floats apart (views into
@@ -302,16 +303,18 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
   const scalar_t* vp = v.data_ptr<scalar_t>();
   const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
 
-  // One parallel region: whichever thread finishes a head's last chunk merges that head (in chunk
-  // order, so who merges does not matter). No second region, no barrier in between.
+  // One parallel region. Threads take items from a shared counter, so a thread slowed by a neighbour
+  // on its core leaves more items to the other; whichever thread finishes a head's last chunk merges
+  // that head (in chunk order, so who merges does not matter).
   std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[heads]);
   for (int64_t h = 0; h < heads; ++h) finished[h].store(0, std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
   scalar_t* op = out.data_ptr<scalar_t>();
 
-  at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     thread_local Scratch scratch;
     scratch.row.resize(D);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = next.fetch_add(1); item < heads * n; item = next.fetch_add(1)) {
       const int64_t h = item / n, c = item % n, b = h / sh.KV, kvh = h % sh.KV;
       const int64_t c0 = c * kChunk, len = std::min(kChunk, sh.S - c0);
       const scalar_t* kc = kp + b * kb + kvh * kh + c0 * D;
