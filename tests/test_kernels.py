@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparsedraft import kernels
+from sparsedraft.cache import causal_mask
 from sparsedraft.errors import SparsedraftError
 
 
@@ -89,6 +90,23 @@ def test_result_independent_of_thread_count(built):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
+
+
+def test_supports_the_masks_static_cache_builds(built):
+    s, t = 300, 8
+    q, k, v = _inputs(1, 3, 3, t, s, 64, torch.float32)
+    tail = causal_mask(torch.arange(s - t, s)[None], torch.arange(s)[None], None)  # [1, 1, T, S]
+    assert kernels.supports(q, k, v, tail, t)
+    assert kernels.supports(q, k, v, tail, t)  # the remembered answer for the same mask
+    assert kernels.supports(q[:, :, :3], k, v, None, 1)
+    assert not kernels.supports(q, k, v, None, t)  # T > 1 without a mask: not causal
+    windowed = causal_mask(torch.arange(s - t, s)[None], torch.arange(s)[None], 100)
+    assert not kernels.supports(q, k, v, windowed, t)
+    assert not kernels.supports(q, k, v, tail[:, :, :, :-1], t)
+    assert not kernels.supports(q, k[:, :, 1:], v[:, :, 1:], tail, t)  # a mask for other keys
+    assert not kernels.supports(q.half(), k.half(), v.half(), tail, t)
+    token_major = torch.randn(1, s, 3, 64).transpose(1, 2)
+    assert not kernels.supports(q, token_major, token_major, tail, t)
 
 
 def test_bad_inputs_are_refused(built):

@@ -7,7 +7,8 @@ asked, into ``$XDG_CACHE_HOME/sparsedraft/kernels/<hash>`` (``~/.cache`` by defa
 covering the source, the compiler flags, torch, Python, the compiler and this CPU (``-march=native``
 code must not run on another CPU that shares the home folder). A machine without a compiler or ninja
 gets one warning naming the reason and ``available() == False``; callers then keep the SDPA path.
-``SPARSEDRAFT_KERNELS=0`` turns the kernels off without a warning.
+``SPARSEDRAFT_KERNELS=0`` turns the kernels off without a warning. :func:`supports` is the one question
+a caller asks (inputs, mask and build); :func:`attend_reference` is the oracle the tests hold it to.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import platform
 import sys
 import warnings
+import weakref
 from pathlib import Path
 from types import ModuleType
 
@@ -37,6 +39,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 _module: ModuleType | None = None
 _failure: str | None = None
+_last_mask: tuple[weakref.ref, int, bool] | None = None
 
 
 def enabled() -> bool:
@@ -144,12 +147,41 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: i
     return _module.attend(q, k, v, float(scale), int(t))
 
 
+def is_tail_causal(mask: torch.Tensor, t: int) -> bool:
+    """Whether bool ``mask`` [B, 1, T, S] lets new token t see exactly keys 0 .. S-T+t (what StaticCache
+    builds without a sliding window). The last answer is remembered for the same mask object, since
+    every layer of a forward gets the same one."""
+    global _last_mask
+    if _last_mask is not None and _last_mask[0]() is mask and _last_mask[1] == t:
+        return _last_mask[2]
+    s = mask.shape[-1]
+    answer = (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == t
+              and s >= t and bool((mask == _tail_causal(t, s, mask.device)).all()))
+    _last_mask = (weakref.ref(mask), t, answer)
+    return answer
+
+
+def _tail_causal(t: int, s: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(s, device=device)[None, :] <= (s - t + torch.arange(t, device=device))[:, None]
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, t: int) -> bool:
+    """Whether :func:`attend` can stand in for SDPA on folded q [B, KV, g*T, D] and k, v [B, KV, S, D]
+    with ``mask`` (None: every key visible, or bool [B, 1, T, S]): CPU, float32 or bfloat16, keys in
+    rows of head_dim values, the mask the tail-causal one (None only when T == 1), kernel built."""
+    return (q.device.type == "cpu" and q.dtype in DTYPES and q.dtype == k.dtype == v.dtype
+            and q.dim() == 4 and k.dim() == 4 and k.shape == v.shape and k.shape[:2] == q.shape[:2]
+            and k.shape[3] == q.shape[3] and q.shape[2] % t == 0 and k.shape[2] >= t
+            and all(x.stride(3) == 1 and x.stride(2) == x.shape[3] for x in (k, v))
+            and (t == 1 if mask is None else mask.shape[-1] == k.shape[2] and is_tail_causal(mask, t))
+            and available())
+
+
 def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: int) -> torch.Tensor:
     """The same contract in plain torch (explicit scores, mask and fp32 softmax): the tests' oracle."""
     _check(q, k, v, t)
-    rows, s = q.shape[2], k.shape[2]
+    rows = q.shape[2]
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [B, KV, rows, S]
-    token = torch.arange(rows, device=q.device) % t
-    visible = torch.arange(s, device=q.device)[None, :] <= (s - t + token)[:, None]  # [rows, S]
+    visible = _tail_causal(t, k.shape[2], q.device).repeat(rows // t, 1)  # [rows, S], row i*T + t
     weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return (weights @ v.float()).to(q.dtype)

@@ -5,15 +5,16 @@
 // than the one pass over memory they need. Here all R = g*T query rows of a KV head share each load
 // of a key (scores) and of a value (weighted sum).
 //
-// Work split: items are (batch, kv head, chunk of kChunk keys). Chunk boundaries are fixed by key
-// position, never by thread count, and every chunk's partial result (row max, sum of exponentials,
-// unnormalised output) is merged in chunk order. Inside a chunk, each query row is a separate lane
-// that follows one fixed sequence of operations over its visible keys; blocking (several rows or
-// keys at once) only changes which lanes run side by side. So a row's output depends on its query
-// and its visible keys alone: a T-row verification gives, bit for bit, what T one-token decodes
-// over the growing prefix give. Multiply-adds are explicit (madd) and the build turns off
-// floating-point contraction, so every copy of a loop rounds the same way. `omp simd` marks the lane
-// loops (no reductions across lanes) so the compiler vectorises them the way they are written.
+// Work split: items are (batch, kv head, chunk of kChunk keys), contiguous runs of them per thread.
+// Chunk boundaries are fixed by key position, never by thread count, and every chunk's
+// partial result (row max, sum of exponentials, unnormalised output) is merged in chunk order.
+// Inside a chunk, each query row is a separate lane that follows one fixed sequence of operations
+// over its visible keys; blocking (several rows or keys at once) only changes which lanes run side
+// by side. So a row's output depends on its query and its visible keys alone: a T-row verification
+// gives, bit for bit, what T one-token decodes over the growing prefix give. Multiply-adds are
+// explicit (madd) and the build turns off floating-point contraction, so every copy of a loop rounds
+// the same way. `omp simd` marks the lane loops (no reductions across lanes) so the compiler
+// vectorises them the way they are written.
 //
 // Layouts: q [B, KV, R, D] with row r = i*T + t (query head i of the group, new token t); k, v
 // [B, KV, S, D] with the last dimension contiguous and consecutive keys D floats apart (views into
@@ -24,10 +25,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -108,19 +111,29 @@ void score_keys(const float* qt, const float* k, float* s, int64_t D, int64_t rp
 }
 
 // Scores of keys [j0, j1) against all rows: groups of up to three row vectors, keys in blocks.
+// While the first row group scores a key block, the values of those keys (next) are fetched into
+// cache, so memory keeps streaming while the scores are computed rather than after.
 template <int NV>
-void score_rows(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t v0, int64_t len) {
+void score_rows(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t v0, int64_t len,
+                const char* next, int64_t next_bytes_per_key) {
   constexpr int KB = NV == 1 ? 8 : 4;
   int64_t j = 0;
-  for (; j + KB <= len; j += KB) score_keys<KB, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
+  for (; j + KB <= len; j += KB) {
+    if (next != nullptr)
+      for (int64_t b = j * next_bytes_per_key; b < (j + KB) * next_bytes_per_key; b += 64)
+        __builtin_prefetch(next + b);
+    score_keys<KB, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
+  }
   for (; j < len; ++j) score_keys<1, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
 }
 
-void score(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t len) {
+void score(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t len, const char* next,
+           int64_t next_bytes_per_key) {
   int64_t v0 = 0;
-  for (; v0 + 3 * kLanes <= rp; v0 += 3 * kLanes) score_rows<3>(qt, k, s, D, rp, v0, len);
-  if (rp - v0 == 2 * kLanes) score_rows<2>(qt, k, s, D, rp, v0, len);
-  if (rp - v0 == kLanes) score_rows<1>(qt, k, s, D, rp, v0, len);
+  for (; v0 + 3 * kLanes <= rp; v0 += 3 * kLanes, next = nullptr)
+    score_rows<3>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
+  if (rp - v0 == 2 * kLanes) score_rows<2>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
+  if (rp - v0 == kLanes) score_rows<1>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
 }
 
 // o[RB rows][DW columns from d0] += sum over keys j in [j0, j1) of p[j][r0 + row] * v[j][d0 + col],
@@ -203,13 +216,14 @@ const float* as_floats<at::BFloat16>(const at::BFloat16* src, int64_t n, std::ve
 // row sees none of these keys) and l [R] (sum of exponentials).
 template <typename scalar_t>
 void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const scalar_t* vc, int64_t c0,
-                  int64_t len, Scratch& scratch, float* o, float* m, float* l) {
+                  int64_t len, const scalar_t* next_k, int64_t next_len, Scratch& scratch, float* o, float* m,
+                  float* l) {
   const int64_t D = sh.D, rp = sh.rp, R = sh.R;
   if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
   float* s = scratch.scores.data();
 
   const float* k = as_floats(kc, len * D, scratch.keys);
-  score(qt, k, s, D, rp, len);
+  score(qt, k, s, D, rp, len, reinterpret_cast<const char*>(vc), D * static_cast<int64_t>(sizeof(scalar_t)));
 
   int64_t seen_by_all = len;  // keys every row sees; beyond it, rows stop at their own bound
   scratch.seen.resize(R);
@@ -230,6 +244,10 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
     }
     for (int64_t x = 0; x < kLanes; ++x) sum[x] = 0.0f;
     for (int64_t jj = 0; jj < len; ++jj) {
+      if (v0 == 0 && jj < next_len) {  // the next chunk's keys come in while no load waits on memory
+        const char* key = reinterpret_cast<const char*>(next_k + jj * D);
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(scalar_t)); b += 64) __builtin_prefetch(key + b);
+      }
       float* sj = s + jj * rp + v0;
 #pragma omp simd
       for (int64_t x = 0; x < kLanes; ++x) {
@@ -300,27 +318,34 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
   const scalar_t* vp = v.data_ptr<scalar_t>();
   const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
 
+  // One parallel region: each thread takes a contiguous run of items and prefetches the next one's
+  // keys; whichever thread finishes a head's last chunk merges that head (in chunk order, so who
+  // merges does not matter).
+  std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[heads]);
+  for (int64_t h = 0; h < heads; ++h) finished[h].store(0, std::memory_order_relaxed);
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const auto keys_of = [&](int64_t item) {
+    const int64_t h = item / n;
+    return kp + h / sh.KV * kb + h % sh.KV * kh + item % n * kChunk * D;
+  };
+  const auto length_of = [&](int64_t item) { return std::min(kChunk, sh.S - item % n * kChunk); };
+
   at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / n, c = item % n, b = h / sh.KV, kvh = h % sh.KV;
-      const int64_t c0 = c * kChunk, len = std::min(kChunk, sh.S - c0);
-      const scalar_t* kc = kp + b * kb + kvh * kh + c0 * D;
-      const scalar_t* vc = vp + b * vb + kvh * vh + c0 * D;
-      attend_chunk<scalar_t>(sh, qt.data() + h * D * rp, kc, vc, c0, len, scratch,
-                             part_o + (h * n + c) * R * D, part_m + (h * n + c) * R,
-                             part_l + (h * n + c) * R);
-    }
-  });
-
-  scalar_t* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, heads * R, 1, [&](int64_t begin, int64_t end) {
-    thread_local Scratch scratch;
     scratch.row.resize(D);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t h = row / R, r = row % R;
-      merge_row<scalar_t>(sh, part_o + h * n * R * D, part_m + h * n * R, part_l + h * n * R, r,
-                          scratch.row.data(), op + row * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / n, c = item % n;
+      const scalar_t* vc = vp + h / sh.KV * vb + h % sh.KV * vh + c * kChunk * D;
+      const bool more = item + 1 < end;
+      float* ho = part_o + h * n * R * D;
+      float* hm = part_m + h * n * R;
+      float* hl = part_l + h * n * R;
+      attend_chunk<scalar_t>(sh, qt.data() + h * D * rp, keys_of(item), vc, c * kChunk, length_of(item),
+                             more ? keys_of(item + 1) : nullptr, more ? length_of(item + 1) : 0, scratch,
+                             ho + c * R * D, hm + c * R, hl + c * R);
+      if (finished[h].fetch_add(1, std::memory_order_acq_rel) + 1 == n)
+        for (int64_t r = 0; r < R; ++r)
+          merge_row<scalar_t>(sh, ho, hm, hl, r, scratch.row.data(), op + (h * R + r) * D);
     }
   });
 }
