@@ -1,8 +1,8 @@
 """Lossless in low precision: a verification forward gives each of its tokens the bits a one-token decode
 step gives it, so speculative greedy output equals plain greedy output in bf16 as in fp32.
 
-Two things make this hold on CPU: the C++ attention kernel computes each query row in a fixed order whatever
-the step's length (:mod:`sparsedraft.kernels`), and the prefill runs the last prompt token as its own one-token
+Two things make this hold on CPU: the C++ kernels (attention and the few-row linear layers) compute each
+row in a fixed order whatever the step's length (:mod:`sparsedraft.kernels`), and the prefill runs the last prompt token as its own one-token
 forward, the token a speculative run feeds again as the first row of its first verification
 (:func:`sparsedraft.generate.prefill_spans`). Without the kernel, torch's SDPA rounds a few-row step and a
 one-row step differently for some cache lengths; these tests are then skipped with that reason.
@@ -40,10 +40,11 @@ def test_prefill_runs_the_last_token_alone():
     assert prefill_spans(10, 4) == [(0, 4), (4, 8), (8, 9), (9, 10)]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("steps", [2, 5, 9, 16])
-def test_verification_rows_equal_decode_steps_bitwise_in_bf16(kernel, family, steps):
-    model = load_model(f"tiny-{family}", dtype=torch.bfloat16)
+def test_verification_rows_equal_decode_steps_bitwise(kernel, family, steps, dtype):
+    model = load_model(f"tiny-{family}", dtype=dtype)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))
     new = torch.randint(0, model.cfg.vocab_size, (1, steps), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():

@@ -175,3 +175,26 @@ def test_build_failure_reason_is_the_telling_line():
                        "ninja: build stopped: subcommand failed.")
     assert kernels._reason(gcc) == "RuntimeError: /a/decode_attention.cpp:9:1: error: expected ';' before '}'"
     assert kernels._reason(OSError("")) == "OSError: no message"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(48, 64), (37, 70), (200, 576)])
+def test_few_rows_linear_matches_torch_and_each_row_is_independent_of_the_others(built, dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(16, k, generator=gen).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    alone = [kernels.linear(x[m:m + 1], w, b) for m in range(16)]
+    for rows in (1, 2, 5, 9, 16):
+        out = kernels.linear(x[:rows], w, b)
+        torch.testing.assert_close(out.float(), torch.nn.functional.linear(x[:rows], w, b).float(), **tol)
+        for m in range(rows):
+            assert torch.equal(out[m], alone[m][0])
+    torch.testing.assert_close(kernels.linear(x[None, :3], w).float()[0],
+                               torch.nn.functional.linear(x[:3], w).float(), **tol)  # leading dims, no bias
+
+
+def test_few_rows_linear_refuses_many_rows(built):
+    with pytest.raises(SparsedraftError, match="1..16 rows"):
+        kernels.linear(torch.randn(17, 8), torch.randn(4, 8))

@@ -144,6 +144,14 @@ def _additive(mask: torch.Tensor | tuple[int, int], dtype: torch.dtype, device: 
     return _BIAS[key][1]  # the entry holds the mask too, so its id cannot be reused while it lives
 
 
+def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; a decode or verification step (at most 16 rows, CPU, no autograd) goes through the C++
+    kernel, which reads the weight once for all rows and gives each row the bits it gets alone."""
+    if kernels.linear_fits(x, layer.weight):
+        return kernels.linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -160,9 +168,9 @@ class Attention(nn.Module):
     def forward(self, x, angles, cache: KVCache, capture: Capture | None):
         b, t, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = project(self.q_proj, x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = project(self.k_proj, x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = project(self.v_proj, x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = angles.apply(q)
@@ -175,7 +183,7 @@ class Attention(nn.Module):
             capture.queries[self.layer] = q.detach()
             if weights is not None:
                 capture.attention[self.layer] = weights.detach()
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return project(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -186,7 +194,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class Block(nn.Module):
@@ -256,4 +264,4 @@ class Transformer(nn.Module):
         cache.end()
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+        return project(self.lm_head, self.norm(x))

@@ -2,9 +2,11 @@
 
 ``attend`` is decode / verification attention over a KV cache that reads each cached key and value
 once for a whole GQA group and all T new tokens (see ``decode_attention.cpp`` for why torch's SDPA
-does not). It is built with ``torch.utils.cpp_extension.load`` the first time :func:`available` is
+does not); ``linear`` multiplies the few rows of such a step by a weight matrix read once
+(``few_rows_linear.cpp``). Both give each row the same bits whatever the step's length, which is
+what keeps speculative greedy output equal to plain greedy output in bf16. It is built with ``torch.utils.cpp_extension.load`` the first time :func:`available` is
 asked, into ``$XDG_CACHE_HOME/sparsedraft/kernels/<hash>`` (``~/.cache`` by default), the hash
-covering the source, the compiler flags, torch, Python, the compiler and this CPU (``-march=native``
+covering the sources, the compiler flags, torch, Python, the compiler and this CPU (``-march=native``
 code must not run on another CPU that shares the home folder). A machine without a compiler or ninja
 gets one warning naming the reason and ``available() == False``; callers then keep the SDPA path.
 ``SPARSEDRAFT_KERNELS=0`` turns the kernels off without a warning. :func:`supports` is the one question
@@ -27,7 +29,9 @@ import torch
 
 from ..errors import require
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in
+                ("decode_attention.cpp", "few_rows_linear.cpp", "bindings.cpp"))
+MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
 # Tried in order: the first that builds is kept. -march=native with 512-bit vectors where the compiler
 # takes it, then the portable build. -ffp-contract=off keeps every multiply-add explicit (exactness).
 FLAG_SETS = (
@@ -62,7 +66,7 @@ def _cpu_fingerprint() -> str:
 
 def build_key(flags: list[str]) -> str:
     """Hash of everything that makes a built module reusable; names its folder and module."""
-    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode(),
+    parts = [*(source.read_bytes() for source in SOURCES), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode(),
              platform.machine().encode(), os.environ.get("CXX", "c++").encode(), _cpu_fingerprint().encode()]
     digest = hashlib.sha256()
     for part in parts:
@@ -81,7 +85,7 @@ def _build(flags: list[str]) -> ModuleType:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return load(name=f"sparsedraft_attend_{key}", sources=[str(SOURCE)], extra_cflags=flags,
+            return load(name=f"sparsedraft_attend_{key}", sources=[str(source) for source in SOURCES], extra_cflags=flags,
                         extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     finally:
         torch_log.setLevel(level)
@@ -185,3 +189,21 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     visible = _tail_causal(t, k.shape[2], q.device).repeat(rows // t, 1)  # [rows, S], row i*T + t
     weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return (weights @ v.float()).to(q.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for 1..:data:`MAX_LINEAR_ROWS` rows of x [..., K] on CPU (fp32 or bf16, weight [N, K]
+    contiguous, same dtype), each weight row read once for all rows. Row m's result is bitwise the same
+    whatever the number of rows, which torch's own kernels do not promise. Call :func:`available` first."""
+    rows = x.reshape(-1, x.shape[-1])
+    require(1 <= rows.shape[0] <= MAX_LINEAR_ROWS,
+            f"kernels.linear takes 1..{MAX_LINEAR_ROWS} rows, got {rows.shape[0]}; use F.linear for more")
+    out = _module.linear(rows.contiguous(), weight, bias if bias is not None else torch.empty(0, dtype=x.dtype))
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes this step: CPU, fp32/bf16 of one dtype, no autograd, few rows, built."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in DTYPES and weight.is_contiguous()
+            and x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and available())

@@ -350,6 +350,8 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
   });
 }
 
+}  // namespace
+
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T) {
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4-d [B, KV, rows, D]");
   TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors only");
@@ -377,9 +379,4 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "GQA decode/verification attention over a KV cache (see decode_attention.cpp)");
-  m.attr("chunk") = kChunk;
-}
+int64_t attend_chunk() { return kChunk; }

@@ -1,0 +1,176 @@
+// y = x W^T (+ b) for the few rows of a decode or verification step, reading W once.
+//
+// Why: a decode step multiplies one row by every weight matrix and a verification gamma + 1 rows.
+// Both are bound by reading the weights, yet the BLAS torch calls on CPU reads them at well under the
+// machine's bandwidth for one bf16 row, and for 8 fp32 rows costs up to three times one row (its
+// many-row kernels pack and block for compute). Here each weight row is loaded once and multiplied
+// into every input row while it sits in registers, so M <= kMaxRows rows cost about one.
+//
+// Exactness: output (m, n) is one fixed sequence of operations over k whatever M is: 16 lane
+// accumulators, lane l summing k = l, l + 16, ... with explicit multiply-adds (the build turns off
+// floating-point contraction), then one fixed reduction tree over the lanes, then the bias. So a row
+// of a verification step has, bit for bit, the value the same row gets in a one-row decode step.
+// torch's own kernels give no such promise (fp32 rows differ between M = 1 and M = 8).
+//
+// Layouts: x [M, K] contiguous, w [N, K] contiguous (the Hugging Face layout, nothing repacked),
+// bias [N] or empty, all one dtype (float32 or bfloat16); out [M, N] in that dtype, accumulated in
+// float32 and rounded once.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kGrain = 16;  // weight rows per parallel work item
+
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept quiet, like torch
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return bf16_to_float(*p); }
+
+inline float reduce_lanes(const float* acc) {  // fixed tree: (0+8, 1+9, ...), then halves again
+  float a[8];
+  for (int l = 0; l < 8; ++l) a[l] = acc[l] + acc[l + 8];
+  float b[4];
+  for (int l = 0; l < 4; ++l) b[l] = a[l] + a[l + 4];
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> 16 fp32: widen, shift into the high half
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// Rows of W [n0, n1) against all M rows of xf (float32 copy of x, [M, K]); results as float32.
+// Lane l of acc[m] sums k = l, l + 16, ... (one multiply-add each, in k order): the AVX-512 path and
+// the portable path do the same operations, the first 16 lanes at a time.
+template <int M, typename W>
+void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, float* yf, int64_t n_len) {
+  const int64_t full = k_len - k_len % kLanes;
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wn = w + n * k_len;
+    alignas(64) float acc[M][kLanes];
+#if defined(__AVX512F__)
+    if (M <= 4 && n + 4 <= n1) {  // four weight rows side by side: four streams in flight, same per-row order
+      __m512 vacc[4][M];
+      for (int j = 0; j < 4; ++j)
+        for (int m = 0; m < M; ++m) vacc[j][m] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < full; k += kLanes) {
+        for (int j = 0; j < 4; ++j) {
+          const __m512 wv = load16(wn + j * k_len + k);
+          for (int m = 0; m < M; ++m)
+            vacc[j][m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * k_len + k), wv, vacc[j][m]);
+        }
+      }
+      for (int j = 0; j < 4; ++j) {
+        alignas(64) float lanes[M][kLanes];
+        for (int m = 0; m < M; ++m) _mm512_store_ps(lanes[m], vacc[j][m]);
+        for (int64_t k = full; k < k_len; ++k) {
+          const float wk = load(wn + j * k_len + k);
+          for (int m = 0; m < M; ++m) lanes[m][k - full] = madd(xf[m * k_len + k], wk, lanes[m][k - full]);
+        }
+        for (int m = 0; m < M; ++m) yf[m * n_len + n + j] = reduce_lanes(lanes[m]);
+      }
+      n += 3;
+      continue;
+    }
+    __m512 vacc[M];
+    for (int m = 0; m < M; ++m) vacc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < full; k += kLanes) {
+      const __m512 wv = load16(wn + k);
+      for (int m = 0; m < M; ++m) vacc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * k_len + k), wv, vacc[m]);
+    }
+    for (int m = 0; m < M; ++m) _mm512_store_ps(acc[m], vacc[m]);
+#else
+    for (int m = 0; m < M; ++m)
+      for (int l = 0; l < kLanes; ++l) acc[m][l] = 0.0f;
+    for (int64_t k = 0; k < full; k += kLanes)
+      for (int m = 0; m < M; ++m)
+        for (int l = 0; l < kLanes; ++l) acc[m][l] = madd(xf[m * k_len + k + l], load(wn + k + l), acc[m][l]);
+#endif
+    for (int64_t k = full; k < k_len; ++k) {  // tail: lane k - full, same order for every M
+      const float wk = load(wn + k);
+      for (int m = 0; m < M; ++m) acc[m][k - full] = madd(xf[m * k_len + k], wk, acc[m][k - full]);
+    }
+    for (int m = 0; m < M; ++m) yf[m * n_len + n] = reduce_lanes(acc[m]);
+  }
+}
+
+template <typename W>
+using RowsFn = void (*)(const float*, const W*, int64_t, int64_t, int64_t, float*, int64_t);
+
+template <typename W, int... Ms>
+RowsFn<W> pick(int64_t m, std::integer_sequence<int, Ms...>) {
+  RowsFn<W> fn = nullptr;
+  ((m == Ms + 1 ? (fn = &rows<Ms + 1, W>, 0) : 0), ...);
+  return fn;
+}
+
+}  // namespace
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "few_rows_linear takes x [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "few_rows_linear takes 1..", kMaxRows, " rows, got ",
+              x.size(0));
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "few_rows_linear takes float32 or bfloat16 x and w of one dtype");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(),
+              "few_rows_linear takes CPU tensors and a contiguous weight");
+  const int64_t m_len = x.size(0), k_len = x.size(1), n_len = w.size(0);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto yf = torch::empty({m_len, n_len}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* yp = yf.data_ptr<float>();
+  const auto ms = std::make_integer_sequence<int, kMaxRows>{};
+  at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
+    if (w.scalar_type() == at::kFloat) {
+      pick<float>(m_len, ms)(xp, w.data_ptr<float>(), k_len, n0, n1, yp, n_len);
+    } else {
+      auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+      pick<uint16_t>(m_len, ms)(xp, wp, k_len, n0, n1, yp, n_len);
+    }
+  });
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_len, "bias must be [N]");
+    yf.add_(bias.to(at::kFloat));  // after the sum, in float32: the same for every M
+  }
+  if (x.scalar_type() == at::kFloat) return yf;
+  auto out = torch::empty({m_len, n_len}, x.options());
+  auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < m_len * n_len; ++i) op[i] = float_to_bf16(yp[i]);
+  return out;
+}
