@@ -83,18 +83,23 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
     const W* wn = w + n * k_len;
     alignas(64) float acc[M][kLanes];
 #if defined(__AVX512F__)
-    if (M <= 4 && n + 4 <= n1) {  // four weight rows side by side: four streams in flight, same per-row order
-      __m512 vacc[4][M];
-      for (int j = 0; j < 4; ++j)
+    // NB weight rows side by side: more loads in flight and each x load feeds NB multiply-adds; the
+    // order of operations for one (row, output) pair stays the same. NB shrinks as M grows so that
+    // NB * M accumulators fit the 32 vector registers.
+    constexpr int NB = M <= 4 ? 4 : (M <= 12 ? 2 : 1);
+    if (NB > 1 && n + NB <= n1) {
+      __m512 vacc[NB][M];
+      for (int j = 0; j < NB; ++j)
         for (int m = 0; m < M; ++m) vacc[j][m] = _mm512_setzero_ps();
       for (int64_t k = 0; k < full; k += kLanes) {
-        for (int j = 0; j < 4; ++j) {
-          const __m512 wv = load16(wn + j * k_len + k);
-          for (int m = 0; m < M; ++m)
-            vacc[j][m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * k_len + k), wv, vacc[j][m]);
+        __m512 wv[NB];
+        for (int j = 0; j < NB; ++j) wv[j] = load16(wn + j * k_len + k);
+        for (int m = 0; m < M; ++m) {
+          const __m512 xv = _mm512_loadu_ps(xf + m * k_len + k);
+          for (int j = 0; j < NB; ++j) vacc[j][m] = _mm512_fmadd_ps(xv, wv[j], vacc[j][m]);
         }
       }
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < NB; ++j) {
         alignas(64) float lanes[M][kLanes];
         for (int m = 0; m < M; ++m) _mm512_store_ps(lanes[m], vacc[j][m]);
         for (int64_t k = full; k < k_len; ++k) {
@@ -103,7 +108,7 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
         }
         for (int m = 0; m < M; ++m) yf[m * n_len + n + j] = reduce_lanes(lanes[m]);
       }
-      n += 3;
+      n += NB - 1;
       continue;
     }
     __m512 vacc[M];
