@@ -20,9 +20,10 @@
 // [B, KV, S, D] with the last dimension contiguous and consecutive keys D floats apart (views into
 // bigger cache buffers are fine); out [B, KV, R, D]. Row r sees keys 0 .. S-T+t.
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>  // the Tensor <-> Python caster; far lighter than torch/extension.h
 
 #include <algorithm>
 #include <atomic>
