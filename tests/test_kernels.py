@@ -100,6 +100,10 @@ def test_supports_the_masks_static_cache_builds(built):
     assert kernels.supports(q, k, v, tail, t)  # the remembered answer for the same mask
     assert kernels.supports(q[:, :, :3], k, v, None, 1)
     assert not kernels.supports(q, k, v, None, t)  # T > 1 without a mask: not causal
+    long = kernels.MAX_TOKENS + 1  # a prefill chunk: SDPA's territory
+    q_long = torch.randn(1, 3, 3 * long, 64)
+    assert not kernels.supports(q_long, k, v, causal_mask(torch.arange(s - long, s)[None], torch.arange(s)[None], None),
+                                long)
     windowed = causal_mask(torch.arange(s - t, s)[None], torch.arange(s)[None], 100)
     assert not kernels.supports(q, k, v, windowed, t)
     assert not kernels.supports(q, k, v, tail[:, :, :, :-1], t)

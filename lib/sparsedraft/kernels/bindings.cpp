@@ -1,6 +1,7 @@
 // The one Python module of the C++ kernels: each kernel lives in its own file, bound here.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>  // the Tensor <-> Python caster; far lighter than torch/extension.h
 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T);
 int64_t attend_chunk();

@@ -20,9 +20,10 @@
 // [B, KV, S, D] with the last dimension contiguous and consecutive keys D floats apart (views into
 // bigger cache buffers are fine); out [B, KV, R, D]. Row r sees keys 0 .. S-T+t.
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>  // the Tensor <-> Python caster; far lighter than torch/extension.h
 
 #include <algorithm>
 #include <atomic>
@@ -121,7 +122,7 @@ void score_rows(const float* qt, const float* k, float* s, int64_t D, int64_t rp
   for (; j + KB <= len; j += KB) {
     if (next != nullptr)
       for (int64_t b = j * next_bytes_per_key; b < (j + KB) * next_bytes_per_key; b += 64)
-        __builtin_prefetch(next + b);
+        __builtin_prefetch(next + b, 0, 2);
     score_keys<KB, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
   }
   for (; j < len; ++j) score_keys<1, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
@@ -246,7 +247,8 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
     for (int64_t jj = 0; jj < len; ++jj) {
       if (v0 == 0 && jj < next_len) {  // the next chunk's keys come in while no load waits on memory
         const char* key = reinterpret_cast<const char*>(next_k + jj * D);
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(scalar_t)); b += 64) __builtin_prefetch(key + b);
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
+          __builtin_prefetch(key + b, 0, 2);  // into L2: more misses in flight than L1's fill buffers allow
       }
       float* sj = s + jj * rp + v0;
 #pragma omp simd

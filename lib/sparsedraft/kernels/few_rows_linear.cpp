@@ -16,9 +16,9 @@
 // bias [N] or empty, all one dtype (float32 or bfloat16); out [M, N] in that dtype, accumulated in
 // float32 and rounded once.
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 #include <cstring>
@@ -157,7 +157,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::T
               "few_rows_linear takes CPU tensors and a contiguous weight");
   const int64_t m_len = x.size(0), k_len = x.size(1), n_len = w.size(0);
   auto xf = x.to(at::kFloat).contiguous();
-  auto yf = torch::empty({m_len, n_len}, x.options().dtype(at::kFloat));
+  auto yf = at::empty({m_len, n_len}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
   float* yp = yf.data_ptr<float>();
   const auto ms = std::make_integer_sequence<int, kMaxRows>{};
@@ -174,7 +174,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::T
     yf.add_(bias.to(at::kFloat));  // after the sum, in float32: the same for every M
   }
   if (x.scalar_type() == at::kFloat) return yf;
-  auto out = torch::empty({m_len, n_len}, x.options());
+  auto out = at::empty({m_len, n_len}, x.options());
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < m_len * n_len; ++i) op[i] = float_to_bf16(yp[i]);
   return out;
