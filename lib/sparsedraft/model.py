@@ -172,7 +172,7 @@ def _additive(mask: torch.Tensor | tuple[int, int], dtype: torch.dtype, device: 
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; a decode or verification step (at most 16 rows, CPU, no autograd) goes through the C++
     kernel, which reads the weight once for all rows and gives each row the bits it gets alone."""
-    if kernels.linear_fits(x, layer.weight):
+    if isinstance(layer, nn.Linear) and kernels.linear_fits(x, layer.weight):  # not an int8 layer (quant.py)
         return kernels.linear(x, layer.weight, layer.bias)
     return layer(x)
 
