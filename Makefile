@@ -10,7 +10,7 @@ PROFILE ?= cpu
 # torch threads per notebook kernel (0 = torch's default; 1 helps on a shared machine)
 THREADS ?= 0
 # `make bench BENCH="triforce --context 4000 --budget 512"` runs any bench (`python -m sparsedraft bench -h`).
-# The default times our AR decode against transformers on SmolLM2 at 2K (136 s on the 2-core CPU, 2026-12-01).
+# The default times our AR decode against transformers on SmolLM2 at 2K, in fp32 and bf16.
 BENCH ?= ar --context 2000 --new-tokens 32
 
 # `make TORCH=torch gpu-check GPU_CHECK="--context 65536"`: extra flags (`python -m sparsedraft gpu-check -h`).
