@@ -7,6 +7,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROFILE ?= cpu
+# pytest-xdist workers for `make test` (each gets cores/workers torch threads; files stay whole on one worker so
+# their shared prefills are made once)
+TEST_WORKERS ?= 2
 # torch threads per notebook kernel (0 = torch's default; 1 helps on a shared machine)
 THREADS ?= 0
 # `make bench BENCH="triforce --context 4000 --budget 512"` runs any bench (`python -m sparsedraft bench -h`).
@@ -34,10 +37,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 reproduce: install
 	$(BIN)/python -m sparsedraft run --profile $(PROFILE) $(if $(filter-out 0,$(THREADS)),--threads $(THREADS))

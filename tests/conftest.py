@@ -1,9 +1,19 @@
-"""Shared fixtures: the real model is loaded once per test session."""
+"""Shared fixtures: the real model is loaded once per test session (once per xdist worker)."""
+
+import os
 
 import pytest
 import torch
 
 from sparsedraft.errors import SparsedraftError
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores, so two workers on a
+    2-core machine do not fight over four OpenMP threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="session")
