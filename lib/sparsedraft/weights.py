@@ -54,8 +54,12 @@ REGISTRY: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
 
 # Registered long-context stand-ins: (base registered name, config fields replaced). SmolLM2 was trained to
 # 8,192 positions; with YaRN factor 4 over them it keeps its perplexity to 32K (issue 11's measurement), which
-# makes it the CPU stand-in for the papers' YaRN-extended Llama 2. Same weights, same tokenizer.
+# makes it the CPU stand-in for the papers' YaRN-extended Llama 2. Same weights, same tokenizer. The x2 variant
+# is the quality check's middle point (notebook 01's NLL-by-position curves).
 EXTENDED: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm2-135m-yarn16k": ("smollm2-135m", {
+        "max_position_embeddings": 16384,
+        "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}}),
     "smollm2-135m-yarn32k": ("smollm2-135m", {
         "max_position_embeddings": 32768,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}}),
