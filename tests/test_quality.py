@@ -91,3 +91,12 @@ def test_the_extended_stand_ins_declare_their_yarn_factor_and_limit(name, factor
     assert cfg.max_position_embeddings == limit and base.max_position_embeddings == 8192
     assert cfg.rope_scaling == {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 8192}
     assert cfg.replace(max_position_embeddings=8192, rope_scaling=base.rope_scaling) == base
+
+
+def test_a_context_past_smollm2_names_the_stand_in_that_reaches_it():
+    from sparsedraft.weights import longer_context_hint
+    assert longer_context_hint("smollm2-135m", 9000) == (
+        ", or use its YaRN-extended stand-in smollm2-135m-yarn16k (16384) / smollm2-135m-yarn32k (32768)")
+    assert longer_context_hint("smollm2-135m", 20000) == ", or use its YaRN-extended stand-in smollm2-135m-yarn32k (32768)"
+    assert longer_context_hint("smollm2-135m", 40000) == ""
+    assert longer_context_hint("smollm2-135m-yarn32k", 40000) == ""

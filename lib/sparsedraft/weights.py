@@ -72,6 +72,14 @@ def _extension(source: str | os.PathLike) -> tuple[str | os.PathLike, dict[str, 
     return base, changes
 
 
+def longer_context_hint(source: str | os.PathLike, needed: int) -> str:
+    """For an error about a context past ``source``'s limit: the registered extensions of it that reach
+    ``needed`` positions (empty when there are none)."""
+    names = [f"{name} ({changes['max_position_embeddings']})" for name, (base, changes) in EXTENDED.items()
+             if base == str(source) and changes["max_position_embeddings"] >= needed]
+    return f", or use its YaRN-extended stand-in {' / '.join(names)}" if names else ""
+
+
 def resolve(source: str | os.PathLike) -> Path | str:
     """Turn a model source (name, file, folder or hub id) into a local path, or ``tiny-<family>`` unchanged."""
     text = str(_extension(source)[0])

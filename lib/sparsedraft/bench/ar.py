@@ -267,7 +267,7 @@ def run_ar_bench(cfg: ArBenchConfig, progress: bool = False) -> ArBenchResult:
     require(total <= limit,
             f"context {longest} + {max(cfg.new_tokens, cfg.verify_tokens)} new "
             f"tokens = {total} exceeds the maximum context of {cfg.model} ({limit}); lower --context, "
-            "--verify-contexts or --new-tokens")
+            f"--verify-contexts or --new-tokens{weights.longer_context_hint(cfg.model, total)}")
     require(not (cfg.hf and cfg.model in weights.EXTENDED),
             f"{cfg.model} is a config extension of {weights.EXTENDED.get(cfg.model, ('',))[0]} that transformers "
             "would load without its RoPE scaling; pass --no-hf (or time the base model against transformers)")

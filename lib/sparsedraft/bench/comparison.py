@@ -259,7 +259,8 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     limit = model_cfg.max_position_embeddings
     require(config.context + config.new_tokens <= limit,
             f"context {config.context} + {config.new_tokens} new tokens exceeds the maximum context of "
-            f"{config.model} ({limit}); lower --context or --new-tokens")
+            f"{config.model} ({limit}); lower --context or --new-tokens"
+            f"{weights.longer_context_hint(config.model, config.context + config.new_tokens)}")
     options = [method_options(name, **opts) for name, opts in config.methods]
     for opts in options:
         opts.check(model_cfg, config.context)
