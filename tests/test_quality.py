@@ -33,6 +33,15 @@ def test_position_nll_refuses_a_prompt_past_the_model_before_any_forward(monkeyp
         position_nll(model, too_long)
 
 
+def test_past_limit_runs_a_model_beyond_its_positions_on_purpose():
+    model = tiny_model("llama", max_position_embeddings=16).eval()
+    tokens = torch.randint(0, model.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(tokens[None])[0].double(), dim=-1)
+    expected = -logp[:-1].gather(1, tokens[1:, None])[:, 0]
+    torch.testing.assert_close(position_nll(model, tokens, chunk=7, past_limit=True), expected, atol=1e-4, rtol=0)
+
+
 def test_bins_average_the_positions_they_hold():
     nll = torch.arange(1, 10, dtype=torch.float64)  # positions 1..9
     bins = nll_by_bin(nll, bin_size=4)

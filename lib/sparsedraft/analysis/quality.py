@@ -20,25 +20,30 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 import torch
 
+from ..cache import StaticCache
 from ..errors import require
 from ..generate import PREFILL_CHUNK, prefill_spans
 from ..model import Transformer
 
 
 @torch.inference_mode()
-def position_nll(model: Transformer, tokens: torch.Tensor, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+def position_nll(model: Transformer, tokens: torch.Tensor, chunk: int = PREFILL_CHUNK, *,
+                 past_limit: bool = False) -> torch.Tensor:
     """NLL in nats of ``tokens[1:]`` given everything before, as a float64 tensor of ``len(tokens) - 1``.
 
     ``tokens`` is 1-D; it is run through one full cache in prefill chunks (the
     engine's own spans), so a 32K prompt costs one prefill and never holds more
-    than ``chunk`` rows of logits.
+    than ``chunk`` rows of logits. ``past_limit=True`` runs a model beyond its
+    declared positions on purpose: how an unscaled model breaks there is what
+    the quality check shows.
     """
     require(tokens.dim() == 1 and tokens.numel() >= 2, f"position_nll takes 1-D tokens, >= 2 of them, got shape "
             f"{tuple(tokens.shape)}")
-    require(tokens.numel() <= model.cfg.max_position_embeddings,
+    require(past_limit or tokens.numel() <= model.cfg.max_position_embeddings,
             f"{tokens.numel()} tokens exceed the model's {model.cfg.max_position_embeddings} positions; "
-            "use an extended model (e.g. smollm2-135m-yarn32k) or a shorter prompt")
-    cache = model.new_cache(tokens.numel())
+            "use an extended model (e.g. smollm2-135m-yarn32k), a shorter prompt, or past_limit=True to measure "
+            "how it breaks")
+    cache = StaticCache(model.cfg, tokens.numel(), 1, model.dtype, model.device)  # new_cache would refuse past_limit
     ids = tokens.to(model.device)[None]
     out = []
     for start, stop in prefill_spans(tokens.numel(), chunk):
