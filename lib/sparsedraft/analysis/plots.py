@@ -140,3 +140,19 @@ def plot_decay(frame: pd.DataFrame) -> Figure:
     ax.set_ylabel("attention mass recovered")
     fig.tight_layout()
     return fig
+
+
+def plot_nll_bins(frame: pd.DataFrame, trained: int | None = None) -> Figure:
+    """Mean NLL per position bin, one line per model (``nll_by_bin`` frames with a ``model`` column), with the
+    base model's training context marked."""
+    _need(frame, ["model", "bin_start", "bin_end", "nll"], "analysis.quality.nll_by_bin(...) with a model column")
+    frame = frame.assign(position=(frame.bin_start + frame.bin_end) / 2)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    sns.lineplot(data=frame, x="position", y="nll", hue="model", marker="o", ax=ax)
+    if trained is not None:
+        ax.axvline(trained, color="gray", linestyle="--", label="trained context")
+        ax.legend()
+    ax.set_xlabel("position of the predicted token")
+    ax.set_ylabel("mean NLL per bin (nats)")
+    fig.tight_layout()
+    return fig
