@@ -15,6 +15,7 @@ memory stays near one copy of the model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -117,7 +118,8 @@ def load_config(source: str | os.PathLike) -> ModelConfig:
     if isinstance(where, str):
         return ModelConfig.from_hf(TINY_CONFIGS[where[5:]]).replace(**changes)
     if where.is_file() and where.suffix == ".gguf":
-        return gguf_config(_open_gguf(where)).replace(**changes)
+        stat = where.stat()
+        return _gguf_file_config(str(where), stat.st_size, stat.st_mtime_ns).replace(**changes)
     config_file = where / "config.json"
     require(config_file.is_file(), f"{where} has no config.json; pass a Hugging Face model folder or a .gguf file")
     return ModelConfig.from_hf(json.loads(config_file.read_text())).replace(**changes)
@@ -211,6 +213,13 @@ _GGUF_BLOCK = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_file_config(path: str, size: int, mtime_ns: int) -> ModelConfig:
+    """A GGUF file's config, once per process and file version: parsing SmolLM2's header (its 49K-token
+    vocabulary) takes seconds, and every bench's input check reads the config before any work."""
+    return gguf_config(_open_gguf(Path(path)))
 
 
 def _open_gguf(path: Path):
