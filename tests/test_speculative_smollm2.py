@@ -6,7 +6,8 @@ lookup, a layer-truncated draft (two levels), retrieval without hierarchy and
 TriForce (a truncated draft at level 1). A truncated SmolLM2 is a poor draft
 (a few % acceptance): these runs check equality, not speed.
 
-Slow: ~4-7 minutes on a 2-core CPU, mostly prefill and the baseline.
+Both runs of a case start from one shared prefill (each copies it); that every decoder's own prefill
+equals the shared one is `tests/test_prefilled.py`'s. Slow: a few minutes on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from sparsedraft.data import prompt_tokens
 from sparsedraft.generate import generate
+from sparsedraft.prefilled import prefill_prompt
 from sparsedraft.speculative import ModelDrafter, NgramDrafter, retrieval, speculative, triforce, truncated_draft
 
 pytestmark = pytest.mark.slow
@@ -25,19 +27,21 @@ DECODERS = ("ngram", "truncated", "retrieval", "triforce")
 CASES = [(1024, v, DECODERS[v % 4]) for v in range(8)] + [(4096, v, DECODERS[2 + v]) for v in range(2)]
 
 
-def decode(name: str, target, prompt: torch.Tensor):
+def decode(name: str, target, prompt: torch.Tensor, prefilled):
     context = prompt.shape[1] + NEW
     budget = 256 if prompt.shape[1] <= 1024 else 1024
     if name == "ngram":
-        return speculative(target, NgramDrafter(target.cfg.vocab_size), prompt, NEW, gamma=4)
+        return speculative(target, NgramDrafter(target.cfg.vocab_size), prompt, NEW, gamma=4, prefilled=prefilled)
     if name == "truncated":
         draft = truncated_draft(target, 4)
-        return speculative(target, ModelDrafter(draft, draft.new_cache(context)), prompt, NEW, gamma=4)
+        return speculative(target, ModelDrafter(draft, draft.new_cache(context)), prompt, NEW, gamma=4,
+                           prefilled=prefilled)
     if name == "retrieval":
-        return retrieval(target, prompt, NEW, gamma=6, budget=budget, chunk_size=8, rebuild="accept<0.6:4")
+        return retrieval(target, prompt, NEW, gamma=6, budget=budget, chunk_size=8, rebuild="accept<0.6:4",
+                         prefilled=prefilled)
     if name == "triforce":
         return triforce(target, truncated_draft(target, 4), prompt, NEW, gamma1=2, gamma2=6, budget=budget,
-                        chunk_size=8, sink=16, window=240, rebuild="every:32")
+                        chunk_size=8, sink=16, window=240, rebuild="every:32", prefilled=prefilled)
     raise AssertionError(name)
 
 
@@ -51,7 +55,8 @@ def test_cases_cover_ten_prompts_of_64_tokens_at_1k_and_4k():
 def test_greedy_speculative_equals_autoregressive_smollm2(smollm2, context, variant, decoder):
     model, tokenizer = smollm2
     prompt = prompt_tokens(tokenizer, context, split="heldout", variant=variant)[None]
-    expected = generate(model, prompt, NEW).tokens
-    result = decode(decoder, model, prompt)
+    prefilled = prefill_prompt(model, prompt)  # one prefill per prompt, copied by both runs (never written)
+    expected = generate(model, prompt, NEW, prefilled=prefilled).tokens
+    result = decode(decoder, model, prompt, prefilled)
     assert torch.equal(result.tokens, expected)
     assert result.stats.generated == NEW
