@@ -56,7 +56,7 @@ REGISTRY: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_path}
 # Registered long-context stand-ins: (base registered name, config fields replaced). SmolLM2 was trained to
 # 8,192 positions; with YaRN factor 4 over them it keeps its perplexity to 32K (issue 11's measurement), which
 # makes it the CPU stand-in for the papers' YaRN-extended Llama 2. Same weights, same tokenizer. The x2 variant
-# is the quality check's middle point (notebook 01's NLL-by-position curves).
+# is the quality check's middle point (notebook 08's NLL-by-position curves).
 EXTENDED: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm2-135m-yarn16k": ("smollm2-135m", {
         "max_position_embeddings": 16384,

@@ -15,6 +15,7 @@ averages it in fixed position bins, and judges an extension by three rules:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import pandas as pd
@@ -65,7 +66,7 @@ def nll_by_bin(nll: torch.Tensor, bin_size: int = 1024) -> pd.DataFrame:
         if inside.any():
             mean = float(nll[inside].mean())
             rows.append({"bin_start": start, "bin_end": start + bin_size, "tokens": int(inside.sum()),
-                         "nll": mean, "ppl": float(torch.tensor(mean).exp())})
+                         "nll": mean, "ppl": math.exp(mean)})
     return pd.DataFrame(rows)
 
 
@@ -133,5 +134,5 @@ def mean_bins(frames: list[pd.DataFrame]) -> pd.DataFrame:
     grouped = both.groupby(["bin_start", "bin_end"], as_index=False).agg(tokens=("tokens", "sum"),
                                                                           weighted=("weighted", "sum"))
     grouped["nll"] = grouped.weighted / grouped.tokens
-    grouped["ppl"] = grouped.nll.map(lambda v: float(torch.tensor(v).exp()))
+    grouped["ppl"] = grouped.nll.map(math.exp)
     return grouped.drop(columns="weighted")
