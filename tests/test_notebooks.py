@@ -118,3 +118,25 @@ def test_quick_profile_runs_every_notebook(quick_run):
                   if o.get("output_type") == "error"]
         assert not errors, path.stem
         assert f"## {path.stem}" in index and f"`{folder.name}` (ok," in index
+
+
+RAY_NOTEBOOKS = ("03", "04")  # two quick notebooks whose metrics hold no timing, so they must repeat exactly
+
+
+@pytest.mark.slow
+def test_the_ray_backend_reproduces_the_serial_run(quick_run, tmp_path):
+    """Two quick notebooks as Ray tasks on an embedded 2-CPU local Ray: the same folders and the same metrics."""
+    status, serial = quick_run
+    assert status == 0
+    outputs = tmp_path / "ray"
+    assert main(["run", "--profile", "quick", "--notebooks", str(NOTEBOOKS), "--outputs", str(outputs),
+                 "--only", ",".join(RAY_NOTEBOOKS), "--backend", "ray", "--ray-cpus", "2"]) == 0
+    for key in RAY_NOTEBOOKS:
+        name = next(p.name for p in discover(NOTEBOOKS) if p.name.startswith(key))[:-len(".ipynb")]
+        [ray_run] = list((outputs / name).iterdir())
+        [serial_run] = list((serial / name).iterdir())
+        assert ray_run.name == serial_run.name  # same parameters, same folder
+        assert {p.name for p in ray_run.iterdir()} == {p.name for p in serial_run.iterdir()}
+        record = json.loads((ray_run / "run.json").read_text())
+        assert record["status"] == "ok", record
+        assert json.loads((ray_run / "metrics.json").read_text()) == json.loads((serial_run / "metrics.json").read_text())

@@ -334,3 +334,10 @@ def test_shipped_profiles_plan_against_the_shipped_notebooks():
     for profile in ("cpu", "quick", "gpu-paper"):
         runs = plan(RunConfig(profile=profile, notebooks_dir=REPO / "notebooks", outputs_dir=REPO / "outputs"))
         assert [r.name[:2] for r in runs] == ["01", "02", "03", "04", "05", "06", "07", "08"]
+
+
+def test_the_shipped_sweep_profile_expands_its_grid():
+    runs = plan(RunConfig(profile="cpu-sweep", notebooks_dir=REPO / "notebooks", outputs_dir=REPO / "outputs"))
+    assert {r.name for r in runs} == {"05_triforce_decoding"} and len(runs) == 12
+    points = {(r.parameters["context"], r.parameters["budget"], r.parameters["draft"]) for r in runs}
+    assert len(points) == 12 and len({r.output_dir for r in runs}) == 12

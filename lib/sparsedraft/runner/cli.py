@@ -1,14 +1,18 @@
-"""``python -m sparsedraft run [--profile cpu] [--only 01,04] [-p key=value] [--force]``: run the notebooks.
+"""``python -m sparsedraft run [--profile cpu] [--only 01,04] [-p key value] [-f params.yaml] [--jobs N | --backend ray]``.
 
 Parameters are layered notebook defaults -> ``notebooks/profiles/<profile>.yaml``
--> ``-p`` overrides, validated against each notebook's ``parameters`` cell
-before anything executes (see :mod:`sparsedraft.runner.config`). Each notebook
-runs with papermill into ``outputs/<notebook>/<profile>-<hash>/``; a finished
-run with the same parameters is skipped unless ``--force`` (a summary notebook
-that reads the others' results reruns whenever one of them ran). At the end
-``outputs/README.md`` is rewritten to link every run with its headline
-metrics. Exit status: 0 when every selected notebook finished (or was
-skipped), 1 when one failed, 2 on a configuration error.
+-> ``-f`` files -> ``-p`` overrides, validated against each notebook's
+``parameters`` cell before anything executes (see :mod:`sparsedraft.runner.config`);
+a profile's ``sweep`` expands into one run per grid point. Each run executes
+with papermill into ``outputs/<notebook>/<profile>-<hash>/`` on the chosen
+backend (:mod:`sparsedraft.runner.backends`: serial, ``--jobs N`` local
+processes, or Ray); a finished run with the same parameters is skipped unless
+``--force``, so a killed sweep resumes where it stopped. Summary notebooks that
+read the others' results run after them, and rerun whenever one of them ran.
+At the end ``outputs/README.md`` is rewritten to link every run with its
+headline metrics. Exit status: 0 when every selected run finished (or was
+skipped), 1 when one failed (each failure is printed with the tail of its
+log), 2 on a configuration error.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .config import RunConfig, plan
-from .execute import execute
+from ..errors import require
+from .backends import BACKENDS, Settings, log_tail, make_backend
+from .config import NotebookRun, RunConfig, override_item, plan
+from .execute import RunOutcome, is_finished
 from .index import write_index
 
 HELP = "run the notebooks with papermill into outputs/ (skips runs whose results exist)"
@@ -25,39 +31,88 @@ HELP = "run the notebooks with papermill into outputs/ (skips runs whose results
 
 def add_run_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="cpu",
-                        help="profile name in notebooks/profiles/ (cpu, quick, gpu-paper) or a .yaml path")
+                        help="profile name in notebooks/profiles/ (cpu, quick, gpu-paper, cpu-sweep) or a .yaml path")
     parser.add_argument("--only", default="",
-                        help="comma-separated notebook numbers or names, e.g. 01,04 (default: all)")
-    parser.add_argument("-p", "--param", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a parameter (YAML value); NN.key=value targets one notebook")
+                        help="comma-separated notebook numbers or names, e.g. 01,04 (default: all, or the "
+                             "profile's select)")
+    parser.add_argument("-p", "--param", dest="overrides", action="append", default=[], nargs="+",
+                        metavar="KEY[=VALUE]",
+                        help="override a parameter: -p key value or -p key=value (YAML value); NN.key targets "
+                             "one notebook")
+    parser.add_argument("-f", "--parameters-file", dest="parameter_files", action="append", default=[], type=Path,
+                        metavar="PARAMS.yaml", help="YAML file of parameters (name: value, or \"05\": {name: value})")
     parser.add_argument("--force", action="store_true", help="rerun notebooks whose results already exist")
     parser.add_argument("--notebooks", type=Path, default=Path("notebooks"), help="folder of NN_*.ipynb")
     parser.add_argument("--outputs", type=Path, default=Path("outputs"), help="folder for run results")
-    parser.add_argument("--kernel", default="python3", help="Jupyter kernel name")
+    parser.add_argument("--kernel", default=None,
+                        help="Jupyter kernel for every notebook (default: each notebook's kernelspec, sparsedraft)")
     parser.add_argument("--timeout", type=int, default=None, help="per-cell time limit in seconds")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads per notebook kernel; 1 avoids thrashing on a machine shared with other jobs")
+                        help="CPU threads per notebook kernel (and CPUs per Ray task); 1 avoids thrashing on a "
+                             "machine shared with other jobs")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="serial (default), local (implied by --jobs N > 1) or ray")
+    parser.add_argument("--jobs", type=int, default=1, help="local backend: notebook runs at a time")
+    parser.add_argument("--address", default=None,
+                        help="ray backend: an existing cluster (host:port, ray://host:port or auto); default "
+                             "starts an embedded local Ray")
+    parser.add_argument("--ray-cpus", type=int, default=None, help="CPUs of the embedded local Ray (default: all)")
+    parser.add_argument("--log-output", action="store_true",
+                        help="echo each run's log, cell output included, to the console (it is always in run.log)")
+    parser.add_argument("--progress-bar", action="store_true", help="papermill's progress bar over cells")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (run ids, parameters) and stop")
 
 
+def report(outcome: RunOutcome) -> None:
+    run = outcome.run
+    detail = f" ({outcome.error})" if outcome.error else ""
+    print(f"{run.name}: {outcome.status} in {outcome.wall_s:.0f} s{detail}", flush=True)
+    if outcome.status == "failed":
+        tail = log_tail(outcome.log)
+        where = f"log: {outcome.log}" if outcome.log else "no log was written"
+        print(f"{run.name}: failed run {run.output_dir}; {where}" + (f"\n{tail}" if tail else ""), flush=True)
+
+
 def run_notebooks(args: argparse.Namespace) -> int:
-    """Plan (validating every parameter), then execute each notebook; the exit status of the command."""
+    """Plan (validating every parameter), start the backend, then execute; the exit status of the command."""
     only = tuple(k.strip() for k in args.only.split(",") if k.strip())
-    cfg = RunConfig(args.profile, only, args.force, tuple(args.overrides), args.notebooks, args.outputs,
-                    args.kernel, args.timeout, args.threads)
+    overrides = tuple(override_item(values) for values in args.overrides)
+    require(args.timeout is None or args.timeout > 0, f"--timeout must be > 0, got {args.timeout}")
+    cfg = RunConfig(profile=args.profile, only=only, force=args.force, overrides=overrides,
+                    parameter_files=tuple(args.parameter_files), notebooks_dir=args.notebooks,
+                    outputs_dir=args.outputs, kernel=args.kernel, timeout_s=args.timeout, threads=args.threads)
     runs = plan(cfg)
-    failed = ran = 0
-    for run in runs:
-        if args.dry_run:
+    if args.dry_run:
+        for run in runs:
             print(f"{run.name}: {run.output_dir}  {run.parameters}")
-            continue
-        print(f"{run.name}: {run.output_dir} ...", flush=True)
-        outcome = execute(run, cfg.kernel, cfg.force or (run.reads_outputs and ran > 0), cfg.timeout_s,
-                          cfg.threads)
-        detail = f" ({outcome.error})" if outcome.error else ""
-        print(f"{run.name}: {outcome.status} in {outcome.wall_s:.0f} s{detail}", flush=True)
-        failed += outcome.status == "failed"
-        ran += outcome.status != "skipped"
-    if not args.dry_run:
+        return 0
+    check_kernels(runs)
+    settings = Settings(cfg.timeout_s, cfg.threads, args.log_output, args.progress_bar)
+    backend = make_backend(args.backend, settings, args.jobs, args.address, args.ray_cpus)
+    failed = ran = 0
+    try:
+        for stage in ([r for r in runs if not r.reads_outputs], [r for r in runs if r.reads_outputs]):
+            todo: list[NotebookRun] = []
+            for run in stage:
+                if cfg.force or (run.reads_outputs and ran > 0) or not is_finished(run):
+                    todo.append(run)
+                else:
+                    print(f"{run.name}: skipped (finished: {run.output_dir})", flush=True)
+            for outcome in backend.run(todo):
+                report(outcome)
+                failed += outcome.status == "failed"
+                ran += 1
+    finally:
+        backend.close()
         print(f"index: {write_index(cfg.outputs_dir)}")
     return 1 if failed else 0
+
+
+def check_kernels(runs: list[NotebookRun]) -> None:
+    """Every kernel the runs need is installed, before any run starts."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    installed = set(KernelSpecManager().find_kernel_specs())
+    missing = sorted({run.kernel for run in runs} - installed)
+    require(not missing, f"Jupyter kernel(s) {missing} not installed (installed: {sorted(installed)}); `make install` "
+                         "registers the sparsedraft kernel, or run `python -m ipykernel install --sys-prefix --name "
+                         "sparsedraft --display-name 'Python (sparsedraft)'`, or pass --kernel NAME")
