@@ -154,7 +154,7 @@ def check_reachable(address: str) -> None:
 
 
 def _ray_task(run: NotebookRun, settings: Settings) -> RunOutcome:
-    return launch(run, settings)
+    return launch(run, settings, sys.stdout if settings.log_output else None)  # Ray forwards it to the driver
 
 
 class RayBackend:
@@ -181,10 +181,10 @@ class RayBackend:
             check_reachable(address)
         try:
             if address is None:
-                ray.init(num_cpus=cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                         configure_logging=False)
+                ray.init(num_cpus=cpus or os.cpu_count(), include_dashboard=False,
+                         log_to_driver=self.settings.log_output, configure_logging=False)
             else:
-                ray.init(address=address, log_to_driver=False)
+                ray.init(address=address, log_to_driver=self.settings.log_output)
         except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ... depending on the address form
             raise SparsedraftError(f"could not start or join Ray (address {address or 'embedded local'}): "
                                    f"{exc}") from exc
