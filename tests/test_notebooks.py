@@ -102,6 +102,7 @@ def test_quick_profile_runs_every_notebook(quick_run):
     status, outputs = quick_run
     assert status == 0, (outputs / "README.md").read_text()
     index = (outputs / "README.md").read_text()
+    html_index = (outputs / "index.html").read_text()
     for path in discover(NOTEBOOKS):
         folders = list((outputs / path.stem).iterdir())
         assert len(folders) == 1, path.stem
@@ -109,7 +110,8 @@ def test_quick_profile_runs_every_notebook(quick_run):
         record = json.loads((folder / "run.json").read_text())
         assert record["status"] == "ok", record
         names = {p.name for p in folder.iterdir()}
-        assert {path.name, "parameters.json", "metrics.json", "answer.md"} <= names, (path.stem, names)
+        page = path.with_suffix(".html").name
+        assert {path.name, page, "run.log", "parameters.json", "metrics.json", "answer.md"} <= names, (path.stem, names)
         assert any(n.endswith(".csv") for n in names) and any(n.endswith(".png") for n in names), path.stem
         metrics = json.loads((folder / "metrics.json").read_text())
         assert metrics["headline"], path.stem
@@ -118,6 +120,7 @@ def test_quick_profile_runs_every_notebook(quick_run):
                   if o.get("output_type") == "error"]
         assert not errors, path.stem
         assert f"## {path.stem}" in index and f"`{folder.name}` (ok," in index
+        assert f'href="{path.stem}/{folder.name}/{page}"' in html_index
 
 
 RAY_NOTEBOOKS = ("03", "04")  # two quick notebooks whose metrics hold no timing, so they must repeat exactly

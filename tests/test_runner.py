@@ -262,7 +262,8 @@ def test_end_to_end_with_a_real_kernel(lab, capsys):
     assert main(args) == 0
     folder = next((lab / "outputs" / "01_trivial").iterdir())
     names = {p.name for p in folder.iterdir()}
-    assert {"01_trivial.ipynb", "parameters.json", "metrics.json", "items.csv", "answer.md", RUN_FILE} <= names
+    assert {"01_trivial.ipynb", "01_trivial.html", "parameters.json", "metrics.json", "items.csv", "answer.md",
+            "run.log", RUN_FILE} <= names
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["double"] == 42 and metrics["detail"] == 2 and metrics["headline"] == ["double", "name"]
     assert (folder / "answer.md").read_text().strip() == "Twice x is 42."

@@ -18,6 +18,7 @@ log), 2 on a configuration error.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 from ..errors import require
@@ -86,7 +87,7 @@ def run_notebooks(args: argparse.Namespace) -> int:
         for run in runs:
             print(f"{run.name}: {run.output_dir}  {run.parameters}")
         return 0
-    check_kernels(runs)
+    check_environment(runs)
     settings = Settings(cfg.timeout_s, cfg.threads, args.log_output, args.progress_bar)
     backend = make_backend(args.backend, settings, args.jobs, args.address, args.ray_cpus)
     failed = ran = 0
@@ -108,8 +109,14 @@ def run_notebooks(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def check_kernels(runs: list[NotebookRun]) -> None:
-    """Every kernel the runs need is installed, before any run starts."""
+RUN_PACKAGES = ("papermill", "nbconvert", "jupyter_client")
+
+
+def check_environment(runs: list[NotebookRun]) -> None:
+    """The packages that execute and render notebooks, and every kernel the runs need, before any run starts."""
+    missing = [name for name in RUN_PACKAGES if importlib.util.find_spec(name) is None]
+    require(not missing, f"running notebooks needs {', '.join(missing)}, not installed: pip install -e "
+                         "'.[notebooks]' (`make install` does it)")
     from jupyter_client.kernelspec import KernelSpecManager
     installed = set(KernelSpecManager().find_kernel_specs())
     missing = sorted({run.kernel for run in runs} - installed)

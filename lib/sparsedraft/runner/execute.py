@@ -2,7 +2,7 @@
 
 A run folder holds ``parameters.json`` (written first), whatever the notebook
 saves through :mod:`sparsedraft.report` (``metrics.json``, CSV tables, PNG
-figures, ``answer.md``), the executed notebook, ``run.log`` (papermill's log:
+figures, ``answer.md``), the executed notebook and its HTML render, ``run.log`` (papermill's log:
 the cells it ran and what they printed), and ``run.json``
 (written last). ``run.json`` with status ``ok`` is what marks a run finished: a
 folder left by a crash, a kill or a failed cell is rerun, a finished one is
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .config import OUTPUT_DIR_PARAM, NotebookRun
+from .html import render_html
 
 RUN_FILE = "run.json"
 PARAMETERS_FILE = "parameters.json"
@@ -178,6 +179,12 @@ def execute(run: NotebookRun, force: bool = False, timeout_s: int | None = None,
     except Exception as exc:  # a failing cell, a dead kernel, a timeout: record it and go on
         error = _describe(exc)
     wall = time.perf_counter() - start
+    executed = folder / run.notebook.name
+    if executed.is_file():  # papermill saves a failed notebook too: its page shows where it stopped
+        try:
+            render_html(executed)
+        except Exception as exc:
+            error = error or f"HTML rendering failed: {_describe(exc)}"
     status = "ok" if error is None else "failed"
     write_record(run, status, error, started, wall, threads, digest)
     return RunOutcome(run, status, wall, error, folder / LOG_FILE if log_file else None)
