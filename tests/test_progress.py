@@ -1,0 +1,89 @@
+"""Progress bars: SPARSEDRAFT_PROGRESS decides, else a watcher (terminal or Jupyter); bars go to stderr only,
+and every wired loop returns the same results with bars on or off."""
+
+import io
+import sys
+
+import pytest
+
+from sparsedraft.errors import SparsedraftError
+from sparsedraft.progress import ENV, NullBar, bar, bars_on
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Terminal(io.StringIO):
+    """A stderr that claims to be a terminal and keeps what is written to it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def run_with(monkeypatch, capsys, value, call):
+    """(result of ``call()``, its stderr) with SPARSEDRAFT_PROGRESS=``value``; nothing may reach stdout."""
+    monkeypatch.setenv(ENV, value)
+    capsys.readouterr()
+    result = call()
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return result, captured.err
+
+
+def test_one_forces_a_bar_on_stderr(monkeypatch, capsys):
+    items, err = run_with(monkeypatch, capsys, "1", lambda: list(bar(range(3), desc="walk")))
+    assert items == [0, 1, 2] and "walk" in err
+
+    def by_hand():
+        with bar(total=5, desc="count", unit="tok") as counted:
+            counted.update(5)
+            counted.set_postfix(loss="1.0")
+        return counted
+
+    counted, err = run_with(monkeypatch, capsys, "1", by_hand)
+    assert not isinstance(counted, NullBar) and "count" in err and "5/5" in err
+
+
+def test_zero_forces_no_bar_even_on_a_terminal(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.delenv(ENV, raising=False)
+    assert bars_on()  # the terminal alone would show bars
+    monkeypatch.setenv(ENV, "0")
+    items = range(3)
+    assert not bars_on() and bar(items, desc="walk") is items
+    with bar(total=3, desc="count") as counted:
+        counted.update(3)
+        counted.set_postfix(x=1)
+    assert isinstance(counted, NullBar) and terminal.getvalue() == ""
+
+
+def test_unset_shows_on_a_terminal(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.delenv(ENV, raising=False)
+    list(bar(range(3), desc="walk"))
+    assert "walk" in terminal.getvalue()
+
+
+def test_unset_shows_in_an_interactive_ipython_kernel(monkeypatch):
+    ipython = pytest.importorskip("IPython")
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "ipykernel", sys.modules.get("ipykernel", object()))
+    monkeypatch.setattr(ipython, "get_ipython", lambda: None)
+    assert not bars_on()  # ipykernel imported but no running shell: a plain process
+    monkeypatch.setattr(ipython, "get_ipython", lambda: object())
+    assert bars_on()
+
+
+def test_bad_value_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv(ENV, "yes")
+    for call in (bars_on, lambda: bar(range(3), show=False)):
+        with pytest.raises(SparsedraftError, match=r"SPARSEDRAFT_PROGRESS='yes' is not allowed.*=1.*=0.*unset"):
+            call()
+
+
+def test_default_under_pytest_is_off(monkeypatch, capsys):
+    monkeypatch.delenv(ENV, raising=False)
+    items = range(3)
+    assert not bars_on() and bar(items, desc="walk") is items and isinstance(bar(total=3), NullBar)
+    assert capsys.readouterr().err == ""
