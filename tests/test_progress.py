@@ -5,9 +5,12 @@ import io
 import sys
 
 import pytest
+import torch
 
 from sparsedraft.errors import SparsedraftError
+from sparsedraft.generate import prefill
 from sparsedraft.progress import ENV, NullBar, bar, bars_on
+from sparsedraft.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,3 +90,24 @@ def test_default_under_pytest_is_off(monkeypatch, capsys):
     items = range(3)
     assert not bars_on() and bar(items, desc="walk") is items and isinstance(bar(total=3), NullBar)
     assert capsys.readouterr().err == ""
+
+
+def prefill_logits(model, tokens, chunk):
+    """Last prefill logits and the next step's logits (which read the whole cache)."""
+    cache = model.new_cache(tokens.shape[1] + 1)
+    last = prefill(model, cache, tokens, chunk)
+    with torch.inference_mode():
+        following = model(last.argmax(-1, keepdim=True), cache=cache)
+    return last, following
+
+
+def test_prefill_bar_over_chunks_changes_nothing(monkeypatch, capsys):
+    model = tiny_model("llama")
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    on, err = run_with(monkeypatch, capsys, "1", lambda: prefill_logits(model, tokens, 8))
+    assert "prefill:" in err
+    off, err = run_with(monkeypatch, capsys, "0", lambda: prefill_logits(model, tokens, 8))
+    assert err == ""
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    _, err = run_with(monkeypatch, capsys, "1", lambda: prefill_logits(model, tokens, 64))
+    assert err == ""  # one chunk: not worth a bar
