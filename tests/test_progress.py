@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+from sparsedraft.budgetdraft.evaluate import acceptance_grid
+from sparsedraft.data import ByteTokenizer
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.generate import prefill
 from sparsedraft.progress import ENV, NullBar, bar, bars_on
@@ -111,3 +113,17 @@ def test_prefill_bar_over_chunks_changes_nothing(monkeypatch, capsys):
     assert all(torch.equal(a, b) for a, b in zip(on, off))
     _, err = run_with(monkeypatch, capsys, "1", lambda: prefill_logits(model, tokens, 64))
     assert err == ""  # one chunk: not worth a bar
+
+
+def test_acceptance_grid_bars_change_nothing(monkeypatch, capsys):
+    verifier = tiny_model("llama", num_hidden_layers=2)
+    drafters = {"one-layer": tiny_model("llama", seed=1, num_hidden_layers=1)}
+
+    def grid():
+        return acceptance_grid(verifier, drafters, ByteTokenizer(), contexts=(40, 56), budgets=(16, None),
+                               new_tokens=8)
+
+    on, err = run_with(monkeypatch, capsys, "1", grid)
+    assert "acceptance grid" in err and "acceptance:" in err
+    off, err = run_with(monkeypatch, capsys, "0", grid)
+    assert err == "" and on.equals(off)
