@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
+from sparsedraft.budgetdraft.config import TrainConfig
 from sparsedraft.budgetdraft.evaluate import acceptance_grid
+from sparsedraft.budgetdraft.train import train_drafter
 from sparsedraft.data import ByteTokenizer
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.generate import prefill
@@ -127,3 +129,23 @@ def test_acceptance_grid_bars_change_nothing(monkeypatch, capsys):
     assert "acceptance grid" in err and "acceptance:" in err
     off, err = run_with(monkeypatch, capsys, "0", grid)
     assert err == "" and on.equals(off)
+
+
+def test_training_bars_change_nothing(monkeypatch, capsys, tmp_path):
+    verifier = tiny_model("llama")
+
+    def train(name, progress=True):
+        cfg = TrainConfig(verifier="tiny-llama", layers=1, seq_len=32, continuation=8, sequences=2, eval_sequences=0,
+                          budgets=(8,), chunk_size=8, obs_window=8, steps=2, warmup=1, eval_every=0, final_context=0,
+                          teacher_dir=str(tmp_path / name / "teacher"), out_dir=str(tmp_path / name / "run"))
+        result = train_drafter(cfg, verifier, progress=progress)
+        history = [{k: v for k, v in entry.items() if k != "seconds"} for entry in result.history]
+        return history, result.drafter.state_dict()
+
+    on, err = run_with(monkeypatch, capsys, "1", lambda: train("on"))
+    assert "teacher" in err and "train-drafter" in err and "loss_a=" in err
+    off, err = run_with(monkeypatch, capsys, "0", lambda: train("off"))
+    assert err == ""
+    assert on[0] == off[0] and all(torch.equal(on[1][k], off[1][k]) for k in on[1])
+    _, err = run_with(monkeypatch, capsys, "1", lambda: train("declined", progress=False))
+    assert err == ""  # the caller's progress=False wins over the environment
