@@ -24,6 +24,7 @@ import torch
 from .cache import KVCache, StaticCache
 from .errors import require
 from .model import Capture, Transformer
+from .progress import bar
 from .sampling import SamplingConfig, choose
 
 if TYPE_CHECKING:
@@ -83,7 +84,9 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int
     [B, H, n, D] of the last ``n = min(capture_last, T)`` tokens for each layer
     in ``capture.layers``: the last prompt token's query that selects a
     retrieval cache (n = 1), or every query for the attention analyses (n = T).
-    Only chunks holding those tokens record anything.
+    Only chunks holding those tokens record anything. A prompt of more than one
+    chunk counts its tokens on a :func:`~sparsedraft.progress.bar` (shown only
+    when bars are on; on a GPU it counts chunks launched, as it adds no sync).
     """
     require(tokens.dim() == 2 and tokens.shape[1] >= 1,
             f"tokens must be [batch, T >= 1], got shape {tuple(tokens.shape)}")
@@ -95,11 +98,14 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int
     first = length - min(capture_last, length)  # first token whose query is recorded
     parts: dict[int, list[torch.Tensor]] = defaultdict(list)
     logits = None
-    for start, stop in prefill_spans(length, chunk):
-        step = Capture(layers=capture.layers) if capture is not None and stop > first else None
-        logits = model(tokens[:, start:stop], cache=cache, last_only=True, capture=step)
-        for layer, q in (step.queries.items() if step is not None else ()):
-            parts[layer].append(q[:, :, max(first - start, 0):])
+    spans = prefill_spans(length, chunk)
+    with bar(total=length, desc="prefill", unit="tok", unit_scale=True, show=len(spans) > 2) as progress:
+        for start, stop in spans:
+            step = Capture(layers=capture.layers) if capture is not None and stop > first else None
+            logits = model(tokens[:, start:stop], cache=cache, last_only=True, capture=step)
+            for layer, q in (step.queries.items() if step is not None else ()):
+                parts[layer].append(q[:, :, max(first - start, 0):])
+            progress.update(stop - start)
     if capture is not None:
         capture.queries.update({layer: torch.cat(qs, 2) for layer, qs in parts.items()})
     return logits[:, -1]

@@ -28,6 +28,7 @@ from ..data import Tokenizer, prompt_tokens
 from ..errors import require
 from ..generate import generate, prefill
 from ..model import Transformer
+from ..progress import bar
 from ..speculative import speculative
 from .checkpoint import load_checkpoint, load_drafter
 from .drafter import BudgetDrafter, budget_prefill
@@ -128,18 +129,21 @@ def acceptance_rows(verifier: Transformer, drafters: Mapping[str, Transformer], 
     """One row per (prompt, drafter, budget); ``None`` in ``budgets`` is the drafter's full cache.
 
     ``trained_budgets``: the budgets the trained drafters saw (see :func:`check_trained_budgets`).
+    A :func:`~sparsedraft.progress.bar` counts the rows when bars are on.
     """
     check_trained_budgets(budgets, trained_budgets)
     rows = []
-    for p, prompt in enumerate(prompts):
-        continuation = greedy_continuation(verifier, prompt, new_tokens)
-        for name, drafter in drafters.items():
-            for budget in budgets:
-                matches = draft_matches(drafter, prompt, continuation, budget, chunk_size, obs_window)
-                stats = simulate_greedy(matches, gamma)
-                rows.append({"drafter": name, "context": prompt.numel() + new_tokens, "prompt": p,
-                             "budget": "full" if budget is None else budget, "gamma": gamma,
-                             "top1_agreement": float(matches.float().mean()), **stats.to_dict()})
+    with bar(total=len(prompts) * len(drafters) * len(budgets), desc="acceptance", unit="row") as progress:
+        for p, prompt in enumerate(prompts):
+            continuation = greedy_continuation(verifier, prompt, new_tokens)
+            for name, drafter in drafters.items():
+                for budget in budgets:
+                    matches = draft_matches(drafter, prompt, continuation, budget, chunk_size, obs_window)
+                    stats = simulate_greedy(matches, gamma)
+                    rows.append({"drafter": name, "context": prompt.numel() + new_tokens, "prompt": p,
+                                 "budget": "full" if budget is None else budget, "gamma": gamma,
+                                 "top1_agreement": float(matches.float().mean()), **stats.to_dict()})
+                    progress.update(1)
     return rows
 
 
@@ -153,6 +157,7 @@ def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], 
     ``context`` counts prompt + generated tokens, so it must fit the verifier's
     context limit; budgets at or above a context are full caches. Pass the
     training config's ``budgets`` as ``trained_budgets`` to refuse any other.
+    With more than one context, a :func:`~sparsedraft.progress.bar` counts them when bars are on.
     """
     check_trained_budgets(budgets, trained_budgets)
     limit = verifier.cfg.max_position_embeddings
@@ -160,7 +165,7 @@ def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], 
                                     f"use contexts <= {limit} (prompt + new tokens)")
     require(min(contexts) > new_tokens + 1, f"every context must exceed new_tokens + 1 ({new_tokens + 1})")
     rows = []
-    for context in contexts:
+    for context in bar(contexts, desc="acceptance grid", unit="context", show=len(contexts) > 1):
         texts = [prompt_tokens(tokenizer, context - new_tokens, split=split, variant=v) for v in range(prompts)]
         rows += acceptance_rows(verifier, drafters, texts, budgets, new_tokens, gamma, chunk_size, obs_window,
                                 trained_budgets)

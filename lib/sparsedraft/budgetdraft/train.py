@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from ..data import Tokenizer, model_tokenizer, prompt_tokens
 from ..errors import require
 from ..model import Transformer
+from ..progress import bar, bars_on
 from ..weights import from_state_dict, load_model
 from .checkpoint import has_checkpoint, load_checkpoint, read_state, save_checkpoint
 from .config import TrainConfig
@@ -129,8 +129,10 @@ def train_drafter(cfg: TrainConfig, verifier: Transformer | None = None, tokeniz
                   progress: bool = True, callback: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
     """Train (or resume) the run ``cfg`` describes; ``verifier``/``tokenizer`` default to ``cfg.verifier``'s.
 
-    ``callback`` sees each step's history entry (after its checkpoint, if any).
+    ``callback`` sees each step's history entry (after its checkpoint, if any). ``progress=False`` keeps
+    this run's teacher and step bars off; otherwise they show when :func:`~sparsedraft.progress.bars_on`.
     """
+    progress = progress and bars_on()
     check_resumable(cfg)
     torch.manual_seed(cfg.seed)
     verifier = verifier if verifier is not None else load_model(cfg.verifier, device=cfg.device)
@@ -157,7 +159,7 @@ def train_drafter(cfg: TrainConfig, verifier: Transformer | None = None, tokeniz
     if step == 0 and cfg.eval_every:
         history.append({"step": 0, "eval": held_out_agreement(cfg, drafter, data)})  # the untrained init
 
-    bar = tqdm(total=cfg.steps, initial=step, desc="train-drafter", unit="step", disable=not progress)
+    steps = bar(total=cfg.steps, initial=step, desc="train-drafter", unit="step", leave=True, show=progress)
     train_seconds, trained_steps = 0.0, 0
     while step < cfg.steps:
         entry = train_step(cfg, drafter, optimizer, data, step)
@@ -168,12 +170,12 @@ def train_drafter(cfg: TrainConfig, verifier: Transformer | None = None, tokeniz
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             save_checkpoint(run_dir, cfg, drafter, optimizer, step, history)
         sparse, rate = entry["loss_c"], trained_steps * cfg.batch * cfg.seq_len / train_seconds
-        bar.set_postfix(loss_a=f"{entry['loss_a']:.3f}", loss_c="-" if sparse is None else f"{sparse:.3f}",
-                        B=entry["budget"] or "-", tok_s=f"{rate:.0f}")
-        bar.update(1)
+        steps.set_postfix(loss_a=f"{entry['loss_a']:.3f}", loss_c="-" if sparse is None else f"{sparse:.3f}",
+                          B=entry["budget"] or "-", tok_s=f"{rate:.0f}")
+        steps.update(1)
         if callback is not None:
             callback(entry)
-    bar.close()
+    steps.close()
     drafter.eval()
     final = {"agreement": held_out_agreement(cfg, drafter, data),
              "acceptance": final_acceptance(cfg, verifier, drafter, tokenizer)}
