@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from tqdm.auto import tqdm
+from ..progress import bar
 
 R = TypeVar("R")
 
@@ -22,7 +22,7 @@ def interleaved_runs(runners: dict[str, Callable[[], R]], warmup: int, repeats: 
     """Name -> its ``repeats`` timed results, after ``warmup`` discarded runs of each runner."""
     steps = [(name, i >= warmup) for i in range(warmup + repeats) for name in runners]
     kept: dict[str, list[R]] = {name: [] for name in runners}
-    for name, timed in tqdm(steps, desc="bench", disable=not progress, leave=False):
+    for name, timed in bar(steps, desc="bench", show=progress):
         result = runners[name]()
         if timed:
             kept[name].append(result)

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from ..data import Tokenizer, corpus_tokens, prompt_tokens
 from ..errors import require
 from ..model import Transformer
+from ..progress import bar
 
 TEACHER_VERSION = 1  # bump when the meaning of a cached file changes
 
@@ -53,7 +53,7 @@ def teacher_file(cache_dir: str | Path, key: dict[str, Any]) -> Path:
 def greedy_targets(verifier: Transformer, windows: torch.Tensor, progress: bool = False) -> torch.Tensor:
     """[N, T] windows -> [N, T] int64 verifier argmax per position (one full causal forward per window)."""
     out = []
-    for row in tqdm(windows, desc="teacher", unit="seq", disable=not progress):
+    for row in bar(windows, desc="teacher", unit="seq", show=progress):
         logits = verifier(row[None].to(verifier.device))
         out.append(logits[0].argmax(-1).cpu())
     return torch.stack(out)
