@@ -117,3 +117,38 @@ def test_notebook_defaults_give_the_three_figures():
     assert sweep_labels[-1] == f"chosen γ1={p['gamma1']}, γ2={p['gamma2']}"
     context_labels = [t.get_text() for t in figures["speedup_vs_context"].axes[0].get_legend().texts]
     assert context_labels[-1] == f"chosen context {max(p['bound_contexts']):,}"
+
+
+def test_notebook_slider_cell_redraws_for_both_cost_sources(monkeypatch):
+    """Runs notebook 04's code cells in this process with an empty output_dir (no kernel, nothing written),
+    as a person opening it would, then flips the cost toggle; the runner never takes this branch."""
+    pytest.importorskip("ipywidgets")
+    import IPython.display
+    from matplotlib.figure import Figure
+
+    from sparsedraft import report
+    shown: list = []
+    monkeypatch.setattr(IPython.display, "display", lambda *objects: shown.extend(objects))
+    monkeypatch.chdir(NOTEBOOK.parent)  # the parameters' relative paths are the notebook's
+    namespace: dict = {}
+    try:
+        for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
+            if cell.cell_type == "code":
+                exec(cell.source, namespace)
+        assert report.output_dir() is None
+
+        def redrawn(start: int) -> tuple[list[str], int]:
+            texts = [obj.data for obj in shown[start:] if isinstance(obj, IPython.display.Markdown)]
+            return texts, sum(isinstance(obj, Figure) for obj in shown[start:])
+
+        texts, figures = redrawn(0)
+        roofline = [text for text in texts if text.startswith("Roofline costs on A100-80GB at 131,072 tokens, 4,096-")]
+        assert len(roofline) == 1 and figures >= 3  # the static cells display theirs too
+        controls, before = namespace["controls"], len(shown)
+        controls["source"].value = "manual"
+        assert not any(controls[name].disabled for name in ("draft_ms", "retrieval_ms", "target_ms"))
+        texts, figures = redrawn(before)
+        assert figures == 3
+        assert texts == [texts[0]] and texts[0].startswith("Manual costs: draft 0.45 ms, retrieval 14 ms, target 56 ms")
+    finally:
+        report.init(None)
