@@ -2,9 +2,10 @@
 
 import random
 
+import pandas as pd
 import pytest
 
-from sparsedraft.analysis.costmodel import (WALKTHROUGH_COSTS, HierarchySetup, LevelCosts,
+from sparsedraft.analysis.costmodel import (WALKTHROUGH_COSTS, HierarchySetup, LevelCosts, acceptance_sweep,
                                             build_schedule, expected_tokens_per_verify,
                                             predict_ms_per_token, predict_two_level, speedup_vs_context,
                                             walkthrough_collapse_schedule, walkthrough_normal_schedule)
@@ -147,3 +148,26 @@ def test_speedup_vs_context_rises_with_context():
 def test_hierarchy_setup_validates():
     with pytest.raises(SparsedraftError, match="alpha2"):
         HierarchySetup(alpha1=0.5, alpha2=1.5, alpha_tiny=0.5)
+
+
+def _inline_sweep(costs, gamma_pairs, alpha_points):
+    """The comprehension notebook 04's cell 9 held before it called acceptance_sweep."""
+    alphas = [i / (alpha_points - 1) for i in range(alpha_points)]
+    return pd.DataFrame([
+        {"alpha": a, "gammas": f"γ1={g1}, γ2={g2}", "gamma1": g1, "gamma2": g2,
+         "speedup": predict_ms_per_token(costs, g1, g2, a, a).speedup}
+        for g1, g2 in gamma_pairs for a in alphas])
+
+
+@pytest.mark.parametrize("alpha_points", [101, 21])  # notebook 04's default and the quick profile's
+def test_acceptance_sweep_is_notebook_04s_former_inline_table(alpha_points):
+    pairs = [[1, 3], [2, 6], [4, 8], [2, 12]]  # notebook 04's gamma_pairs, with its costs (the walkthrough's)
+    pd.testing.assert_frame_equal(acceptance_sweep(WALKTHROUGH_COSTS, pairs, alpha_points),
+                                  _inline_sweep(WALKTHROUGH_COSTS, pairs, alpha_points), check_exact=True)
+
+
+def test_acceptance_sweep_validates():
+    with pytest.raises(SparsedraftError, match="alpha_points must be >= 2"):
+        acceptance_sweep(WALKTHROUGH_COSTS, [[2, 6]], 1)
+    with pytest.raises(SparsedraftError, match=r"pairs, got \[\[2, 6, 1\]\]"):
+        acceptance_sweep(WALKTHROUGH_COSTS, [[2, 6, 1]], 11)

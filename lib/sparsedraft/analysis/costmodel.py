@@ -252,6 +252,22 @@ def predict_ms_per_token(costs: LevelCosts, gamma1: int, gamma2: int, alpha1: fl
     return Prediction(round_ms + costs.target_ms + overhead_ms, tokens, costs.target_ms)
 
 
+def acceptance_sweep(costs: LevelCosts, gamma_pairs: Sequence[Sequence[int]], alpha_points: int) -> pd.DataFrame:
+    """Predicted speedup as one acceptance rate α (both levels) runs over [0, 1], per (γ1, γ2) pair.
+
+    Long format: alpha, gammas (a legend label), gamma1, gamma2, speedup.
+    ``alpha_points`` evenly spaced rates include both ends.
+    """
+    require(alpha_points >= 2, f"alpha_points must be >= 2 (both ends of [0, 1]), got {alpha_points}")
+    require(len(gamma_pairs) > 0 and all(len(pair) == 2 for pair in gamma_pairs),
+            f"gamma_pairs must be a non-empty list of [gamma1, gamma2] pairs, got {list(gamma_pairs)}")
+    alphas = [i / (alpha_points - 1) for i in range(alpha_points)]
+    return pd.DataFrame([
+        {"alpha": a, "gammas": f"γ1={g1}, γ2={g2}", "gamma1": g1, "gamma2": g2,
+         "speedup": predict_ms_per_token(costs, g1, g2, a, a).speedup}
+        for g1, g2 in gamma_pairs for a in alphas])
+
+
 def measured_level_costs(seconds: dict[str, float], drafted: dict[str, int], verifications: dict[str, int],
                          decode_s: float) -> tuple[LevelCosts, float]:
     """Per-forward costs of a TriForce run and its per-iteration overhead, from the run's own records.
