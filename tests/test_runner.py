@@ -213,14 +213,19 @@ def test_failed_stale_or_edited_runs_are_rerun(lab, monkeypatch):
     assert execute(run).status == "ok" and len(calls) == 2
 
 
-def test_index_links_every_run_with_headline_metrics(lab, monkeypatch):
+def one_ok_one_failed(lab, monkeypatch):
+    """Run 01 (ok) and 02 (a failing cell) with the fake papermill; their planned runs."""
     fake_papermill(monkeypatch)
     runs = by_name(plan(config(lab)))
     execute(runs["01_trivial"])
     fake_papermill(monkeypatch, fail=True)
     execute(runs["02_other"])
+    return runs["01_trivial"], runs["02_other"]
+
+
+def test_index_links_every_run_with_headline_metrics(lab, monkeypatch):
+    ok, failed = one_ok_one_failed(lab, monkeypatch)
     text = write_index(lab / "outputs").read_text()
-    ok, failed = runs["01_trivial"], runs["02_other"]
     assert f"## 01_trivial" in text and f"`{ok.run_id}` (ok," in text
     assert f"(01_trivial/{ok.run_id}/01_trivial.ipynb)" in text
     assert f"(01_trivial/{ok.run_id}/parameters.json)" in text

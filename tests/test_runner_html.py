@@ -13,7 +13,7 @@ from sparsedraft.__main__ import main
 from sparsedraft.runner import execute, plan, write_index
 from sparsedraft.runner import cli
 from sparsedraft.runner.html import render_html
-from test_runner import by_name, config, fake_papermill, lab  # noqa: F401 (fixtures)
+from test_runner import by_name, config, fake_papermill, lab, one_ok_one_failed  # noqa: F401 (fixtures)
 
 
 def test_render_html_keeps_sources_outputs_and_inline_figures(tmp_path):
@@ -32,12 +32,7 @@ def test_render_html_keeps_sources_outputs_and_inline_figures(tmp_path):
 
 
 def test_the_html_index_carries_the_markdown_index_links(lab, monkeypatch):
-    fake_papermill(monkeypatch)
-    runs = by_name(plan(config(lab)))
-    execute(runs["01_trivial"])
-    fake_papermill(monkeypatch, fail=True)
-    execute(runs["02_other"])
-    ok, failed = runs["01_trivial"], runs["02_other"]
+    ok, failed = one_ok_one_failed(lab, monkeypatch)
     markdown = write_index(lab / "outputs").read_text()
     page = (lab / "outputs" / "index.html").read_text()
     for run in (ok, failed):  # papermill saved both notebooks (the failed one up to its error): both rendered
