@@ -1,5 +1,7 @@
 """Every plotting helper draws from the library's own data frames and returns a figure."""
 
+import io
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -10,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from sparsedraft import report  # noqa: E402
 from sparsedraft.analysis import plots  # noqa: E402
 from sparsedraft.analysis.attention import LayerQK  # noqa: E402
 from sparsedraft.analysis.costmodel import (HierarchySetup, speedup_vs_context,  # noqa: E402
@@ -52,6 +55,22 @@ def test_sparsity_and_locality_plots():
     result = layer_locality(_qk(), [20, 30], LocalityConfig(budget=8, deltas=(0, 1, 4), chunk_size=4))
     assert isinstance(plots.plot_overlap(result.overlap), Figure)
     assert isinstance(plots.plot_decay(result.decay), Figure)
+
+
+def _png(fig: Figure) -> bytes:
+    out = io.BytesIO()
+    fig.savefig(out, format="png", metadata={"Software": None})
+    return out.getvalue()
+
+
+def test_aggregated_lines_draw_the_same_png_every_time():
+    """Many rows per x (heads, prompts): seaborn's bootstrap band must not change from one drawing to the next."""
+    gen = torch.Generator().manual_seed(1)
+    frame = pd.DataFrame({"delta": [d for d in (0, 1, 4, 16) for _ in range(24)], "selection": "chunk",
+                          "intersection": torch.rand(96, generator=gen).tolist()})
+    assert _png(plots.plot_overlap(frame)) == _png(plots.plot_overlap(frame))
+    table = frame.rename(columns={"delta": "x", "intersection": "y"})
+    assert _png(report.line_figure(table, "x", "y")) == _png(report.line_figure(table, "x", "y"))
 
 
 def test_plots_name_the_missing_input():

@@ -31,6 +31,10 @@ from typing import Any, Mapping
 
 from .errors import SparsedraftError, require
 
+# seaborn draws a bootstrap confidence band where several rows share an x; a fixed seed makes the same data give
+# the same PNG, run after run
+BAND_SEED = 0
+
 METRICS_FILE = "metrics.json"
 ANSWER_FILE = "answer.md"
 HEADLINE_KEY = "headline"  # metrics.json: list of the keys the index shows
@@ -150,12 +154,12 @@ def line_figure(frame, x: str, y: str, hue: str | None = None, style: str | None
     import seaborn as sns
     if col is None:
         fig, ax = _axes(title, size)
-        sns.lineplot(data=frame, x=x, y=y, hue=hue, style=style, marker="o", ax=ax)
+        sns.lineplot(data=frame, x=x, y=y, hue=hue, style=style, marker="o", ax=ax, seed=BAND_SEED)
         axes = [ax]
     else:
         panels = frame[col].nunique()
         grid = sns.relplot(data=frame, x=x, y=y, hue=hue, style=style, col=col, kind="line", marker="o",
-                           height=size[1], aspect=size[0] / size[1] / max(panels, 1) * 1.6,
+                           seed=BAND_SEED, height=size[1], aspect=size[0] / size[1] / max(panels, 1) * 1.6,
                            facet_kws={"sharey": False})
         grid.set_titles("{col_name}")
         fig, axes = grid.figure, list(grid.axes.flat)

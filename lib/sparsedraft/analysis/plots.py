@@ -15,6 +15,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from ..errors import require
+from ..report import BAND_SEED
 from .costmodel import LEVEL_NAMES
 
 _LEVEL_COLORS = {1: "tab:green", 2: "tab:blue", 3: "tab:red", 0: "tab:gray"}
@@ -50,7 +51,7 @@ def plot_speedup_vs_context(frame: pd.DataFrame) -> Figure:
     """Speedup over vanilla by method as the context grows (``speedup_vs_context``)."""
     _need(frame, ["context", "method", "speedup"], "speedup_vs_context")
     fig, ax = plt.subplots(figsize=(7, 4))
-    sns.lineplot(data=frame, x="context", y="speedup", hue="method", marker="o", ax=ax)
+    sns.lineplot(data=frame, x="context", y="speedup", hue="method", marker="o", ax=ax, seed=BAND_SEED)
     ax.set_xscale("log", base=2)
     ax.axhline(1.0, color="black", lw=0.8, ls=":")
     ax.set_ylabel("theoretical speedup (x)")
@@ -80,7 +81,7 @@ def plot_latency(frame: pd.DataFrame) -> Figure:
     """Ideal per-token latency by hardware as the context grows (``latency_table``)."""
     _need(frame, ["context", "hardware", "ideal_ms"], "latency_table")
     fig, ax = plt.subplots(figsize=(7, 4))
-    sns.lineplot(data=frame, x="context", y="ideal_ms", hue="hardware", marker="o", ax=ax)
+    sns.lineplot(data=frame, x="context", y="ideal_ms", hue="hardware", marker="o", ax=ax, seed=BAND_SEED)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_ylabel("ideal ms per token (bytes / bandwidth)")
@@ -118,7 +119,7 @@ def plot_overlap(frame: pd.DataFrame, metric: str = "intersection") -> Figure:
     """Overlap of the selection at t with the one at t + Δ (``LocalityResult.overlap``)."""
     _need(frame, ["delta", "selection", metric], "contextual_locality(...).overlap")
     fig, ax = plt.subplots(figsize=(7, 4))
-    sns.lineplot(data=frame, x="delta", y=metric, hue="selection", marker="o", ax=ax)
+    sns.lineplot(data=frame, x="delta", y=metric, hue="selection", marker="o", ax=ax, seed=BAND_SEED)
     ax.set_xscale("symlog", base=2)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("Δ (steps after the selection was built)")
@@ -133,7 +134,7 @@ def plot_decay(frame: pd.DataFrame) -> Figure:
                       var_name="cache", value_name="mass")
     long["cache"] = long.cache.map({"recovery": "built at t", "fresh_recovery": "rebuilt at t+Δ"})
     fig, ax = plt.subplots(figsize=(7, 4))
-    sns.lineplot(data=long, x="delta", y="mass", hue="selection", style="cache", marker="o", ax=ax)
+    sns.lineplot(data=long, x="delta", y="mass", hue="selection", style="cache", marker="o", ax=ax, seed=BAND_SEED)
     ax.set_xscale("symlog", base=2)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("Δ (steps after the selection was built)")
@@ -148,7 +149,7 @@ def plot_nll_bins(frame: pd.DataFrame, trained: int | None = None) -> Figure:
     _need(frame, ["model", "bin_start", "bin_end", "nll"], "analysis.quality.nll_by_bin(...) with a model column")
     frame = frame.assign(position=(frame.bin_start + frame.bin_end) / 2)
     fig, ax = plt.subplots(figsize=(8, 4))
-    sns.lineplot(data=frame, x="position", y="nll", hue="model", marker="o", ax=ax)
+    sns.lineplot(data=frame, x="position", y="nll", hue="model", marker="o", ax=ax, seed=BAND_SEED)
     if trained is not None:
         ax.axvline(trained, color="gray", linestyle="--", label="trained context")
         ax.legend()
