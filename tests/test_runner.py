@@ -347,3 +347,9 @@ def test_the_shipped_sweep_profile_expands_its_grid():
     assert {r.name for r in runs} == {"05_triforce_decoding"} and len(runs) == 12
     points = {(r.parameters["context"], r.parameters["budget"], r.parameters["draft"]) for r in runs}
     assert len(points) == 12 and len({r.output_dir for r in runs}) == 12
+
+
+def test_the_shipped_cost_sweep_is_four_runs_of_notebook_04():
+    runs = plan(RunConfig(profile="cost-sweep", notebooks_dir=REPO / "notebooks", outputs_dir=REPO / "outputs"))
+    assert {r.name for r in runs} == {"04_cost_walkthrough"}
+    assert sorted((r.parameters["gamma1"], r.parameters["gamma2"]) for r in runs) == [(1, 6), (1, 8), (2, 6), (2, 8)]
