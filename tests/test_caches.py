@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sparsedraft.cache import KVCache, SequenceView, StaticCache
+from sparsedraft.cache import CAUSAL, KVCache, SequenceView, StaticCache
 from sparsedraft.caches import (AcceptanceBelow, EveryN, MovingAverage, Never, RetrievalCache, StreamingCache,
                                 rebuild_policy)
 from sparsedraft.errors import SparsedraftError
@@ -378,6 +378,32 @@ def test_sparse_view_attends_to_the_selected_chunks_and_recent_tokens(family, dt
     view.rollback(2)
     reference.rollback(2)
     torch.testing.assert_close(model(seq[:, 43:44], cache=view), model(seq[:, 43:44], cache=reference), **tol)
+
+
+@torch.no_grad()
+def test_a_filled_view_hands_the_causal_marker_and_a_filling_one_a_mask(monkeypatch):
+    """A view whose budget is full has the full-cache layout (every slot, then causal speculative tokens): it must
+    say CAUSAL so its steps take the decode kernel like the full cache; while slots are empty it needs its mask."""
+    import sparsedraft.model as model_module
+    seen = []
+    real = model_module.attention
+    monkeypatch.setattr(model_module, "attention", lambda q, k, v, mask, *a, **kw: seen.append(mask) or
+                        real(q, k, v, mask, *a, **kw))
+    model = tiny_model("llama")
+    seq = tokens(46, seed=4)
+    full, queries = prefill_with_queries(model, seq[:, :42], max_len=48)
+    view = RetrievalCache(model.cfg, budget=16, chunk_size=4, spec_slots=4, batch=BATCH)
+    view.build(full, queries)
+    for step in (seq[:, 42:45], seq[:, 45:46]):  # a 3-token level-2 verification, then one more token
+        seen.clear()
+        model(step, cache=view)
+        assert seen and all(mask is CAUSAL for mask in seen)
+    short, short_queries = prefill_with_queries(model, seq[:, :22], max_len=40)
+    filling = RetrievalCache(model.cfg, budget=32, chunk_size=4, spec_slots=4, batch=BATCH, allow_full=True)
+    filling.build(short, short_queries)
+    seen.clear()
+    model(seq[:, 22:24], cache=filling)
+    assert seen and all(isinstance(mask, torch.Tensor) for mask in seen)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

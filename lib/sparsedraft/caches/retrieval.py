@@ -30,7 +30,9 @@ Lifecycle, driven by the speculative decoder:
    partial, always kept); or on a rebuild policy's call, with the newest
    committed token's queries;
 2. level-2 forwards write new tokens into the ``spec_slots`` after the budget;
-   the mask shows every filled budget slot plus causal among those tokens;
+   the mask shows every filled budget slot plus causal among those tokens
+   (once every slot is filled that is the :data:`~sparsedraft.cache.CAUSAL`
+   layout, handed as the marker so the step takes the decode kernel);
    ``rollback(n)`` trims them;
 3. after the level-3 (full cache) verification, ``sync(full)`` copies the tokens
    the full cache committed since the last build/sync over the least important
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache, StaticCache
+from ..cache import CAUSAL, Causal, KVCache, StaticCache, in_order
 from ..config import ModelConfig
 from ..errors import require
 
@@ -101,7 +103,7 @@ class RetrievalCache(KVCache):
         self.syncs = 0
         self.synced_tokens = 0  # tokens taken in by sync()
         self._new = 0
-        self._mask: torch.Tensor | None = None
+        self._mask: torch.Tensor | Causal | None = None
 
     @property
     def length(self) -> int:
@@ -217,8 +219,10 @@ class RetrievalCache(KVCache):
         self.spec_pos[:, self.spec:end] = positions
         self._new = t
         every_slot_filled = self.chunk_slots + min(self.written, self.recent_capacity) >= self.budget
-        if t == 1 and every_slot_filled:
-            self._mask = None
+        if every_slot_filled and in_order(positions.to(self.device), self.spec_pos[:, :self.spec]):
+            # every budget slot visible, earlier level-2 tokens before these: the CAUSAL layout, so the step
+            # takes the same attention path as a full-cache decode (the C++ kernel on CPU) instead of SDPA
+            self._mask = CAUSAL
             return positions
         q_pos = positions.to(self.device)[:, :, None]
         context = self.valid_slots().expand(self.batch, 1, t, -1)
@@ -227,7 +231,7 @@ class RetrievalCache(KVCache):
         return positions
 
     def attend(self, layer: int, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | Causal | None]:
         start = self.budget + self.spec
         stop = start + self._new
         self.k[layer][:, :, start:stop] = k
