@@ -193,3 +193,12 @@ def test_ray_tasks_declare_a_gpu_only_for_cuda_runs(lab):
     cuda = by_name(plan(config(lab, overrides=("device=cuda:0",))))["03_device"]
     assert ray_resources(cpu, 2) == {"num_cpus": 2, "num_gpus": 0}
     assert ray_resources(cuda, 1) == {"num_cpus": 1, "num_gpus": 1}
+
+
+def test_a_failed_join_hints_at_ray_token_authentication(monkeypatch):
+    from sparsedraft.runner.backends import auth_hint
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert "RAY_AUTH_MODE=token" in auth_hint("127.0.0.1:6379")
+    assert auth_hint(None) == ""  # an embedded Ray makes its own token
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert auth_hint("127.0.0.1:6379") == ""  # already set: the failure is something else

@@ -139,6 +139,18 @@ def ray_resources(run: NotebookRun, cpus: int) -> dict[str, int]:
     return {"num_cpus": cpus, "num_gpus": 1 if str(run.parameters.get("device", "cpu")).startswith("cuda") else 0}
 
 
+def auth_hint(address: str | None) -> str:
+    """What to try when joining a cluster failed and this process has no Ray token mode set.
+
+    ``ray start`` enables token authentication by default (Ray 2.59 and later), and a driver only sends the
+    token when ``RAY_AUTH_MODE=token`` is set in its own environment too.
+    """
+    if address is None or os.environ.get("RAY_AUTH_MODE"):
+        return ""
+    return ("; if the cluster uses token authentication (the default of `ray start` since Ray 2.59), set "
+            "RAY_AUTH_MODE=token here as well (the token comes from RAY_AUTH_TOKEN or ~/.ray/auth_token)")
+
+
 def check_reachable(address: str) -> None:
     """One clear error when ``host:port`` (or ``ray://host:port``) accepts no connection."""
     if address in ("auto", "local"):
@@ -187,7 +199,7 @@ class RayBackend:
                 ray.init(address=address, log_to_driver=self.settings.log_output)
         except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ... depending on the address form
             raise SparsedraftError(f"could not start or join Ray (address {address or 'embedded local'}): "
-                                   f"{exc}") from exc
+                                   f"{exc}{auth_hint(address)}") from exc
         self.started_local = address is None
         self.task = ray.remote(_ray_task)
 
