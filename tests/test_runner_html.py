@@ -58,7 +58,8 @@ def test_a_page_that_cannot_be_rendered_fails_the_run_with_the_reason(lab, monke
 def test_missing_nbconvert_is_one_clear_error_before_any_run(lab, monkeypatch, capsys):
     calls = fake_papermill(monkeypatch)
     real = importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: None if name == "nbconvert" else real(name, *a))
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "nbconvert" else real(name, *a))
     assert main(["run", "--profile", "test", "--notebooks", str(lab / "notebooks"),
                  "--outputs", str(lab / "outputs")]) == 2
     err = capsys.readouterr().err
