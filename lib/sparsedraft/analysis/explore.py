@@ -121,12 +121,10 @@ def explore_figures(result: Exploration, size: tuple[float, float] = (6.0, 3.0))
 
     Loads matplotlib (hence imported here, not at module level); never shows or closes a figure.
     """
-    from .. import report
-    from .plots import plot_schedules, plot_speedup_vs_context
+    from .plots import plot_acceptance_sweep, plot_schedules, plot_speedup_vs_context
 
     schedules = plot_schedules({name: s.table() for name, s in result.schedules.items()})
-    sweep = report.line_figure(result.sweep, "alpha", "speedup", hue="gammas", hline=1.0, size=size,
-                               xlabel="acceptance rate α at both levels", ylabel="predicted speedup")
+    sweep = plot_acceptance_sweep(result.sweep, size)
     setup = result.setup
     chosen = result.sweep[(result.sweep.gamma1 == setup.gamma1) & (result.sweep.gamma2 == setup.gamma2)]
     ax = sweep.axes[0]

@@ -47,6 +47,14 @@ def plot_schedules(tables: Mapping[str, pd.DataFrame]) -> Figure:
     return fig
 
 
+def plot_acceptance_sweep(frame: pd.DataFrame, size: tuple[float, float] = (7, 4)) -> Figure:
+    """Predicted speedup against the acceptance rate, one line per (γ1, γ2) pair (``acceptance_sweep``)."""
+    from ..report import line_figure
+    _need(frame, ["alpha", "speedup", "gammas"], "acceptance_sweep")
+    return line_figure(frame, "alpha", "speedup", hue="gammas", hline=1.0, size=size,
+                       xlabel="acceptance rate α at both levels", ylabel="predicted speedup over vanilla")
+
+
 def plot_speedup_vs_context(frame: pd.DataFrame) -> Figure:
     """Speedup over vanilla by method as the context grows (``speedup_vs_context``)."""
     _need(frame, ["context", "method", "speedup"], "speedup_vs_context")
