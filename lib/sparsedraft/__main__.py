@@ -23,6 +23,7 @@ from typing import Callable
 from .bench import BENCHES
 from .bench.gpu import HELP as GPU_CHECK_HELP
 from .bench.gpu import add_gpu_check_parser, run_gpu_check_command
+from .bench.tuned import SOURCE, TUNED, tuned_context, tuned_options
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
 from .cliopts import add_config_options, config_from_args, values_from_args
@@ -32,22 +33,36 @@ from .runner.cli import HELP as RUN_HELP
 from .runner.cli import add_run_parser, run_notebooks
 
 
+TUNED_HELP = ("an option not given takes the best setting notebook 05 measured at the largest tuned context at or "
+              "below --context (sparsedraft.bench.tuned), else the default shown")
+
+
 def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     benches = parser.add_subparsers(dest="bench", required=True, metavar="bench")
     for name, bench in BENCHES.items():
         sub = benches.add_parser(name, help=bench.help, description=bench.help)
         add_config_options(sub, bench.config)
         if bench.method is not None:
-            add_config_options(sub.add_argument_group(f"{name} options"), METHODS[bench.method].options)
+            group = sub.add_argument_group(f"{name} options", TUNED_HELP if name in TUNED else None)
+            add_config_options(group, METHODS[bench.method].options, given_only=True)
+
+
+def bench_config(args: argparse.Namespace):
+    """The bench's config from parsed flags. A method's options not given on the command line come from its
+    tuned per-context defaults (:mod:`sparsedraft.bench.tuned`) when there are some, else its dataclass."""
+    bench = BENCHES[args.bench]
+    if bench.method is None:
+        return config_from_args(bench.config, args)
+    options = {**tuned_options(bench.method, args.context), **values_from_args(METHODS[bench.method].options, args)}
+    return config_from_args(bench.config, args, methods=((bench.method, options),))
 
 
 def run_bench(args: argparse.Namespace) -> None:
+    config = bench_config(args)
     bench = BENCHES[args.bench]
-    if bench.method is None:
-        config = config_from_args(bench.config, args)
-    else:
-        options = values_from_args(METHODS[bench.method].options, args)
-        config = config_from_args(bench.config, args, methods=((bench.method, options),))
+    if bench.method is not None and tuned_context(bench.method, config.context) is not None:
+        print(f"{bench.method} options not given take the best settings measured at context "
+              f"{tuned_context(bench.method, config.context)} ({SOURCE}): {config.methods[0][1]}", file=sys.stderr)
     result = bench.run(config, True)
     print(result.table())
     print(json.dumps(result.to_dict()))
@@ -62,12 +77,16 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsedraft", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (help_text, add_parser, _) in COMMANDS.items():
         add_parser(commands.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command][2](args) or 0
     except SparsedraftError as exc:

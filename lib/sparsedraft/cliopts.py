@@ -1,7 +1,10 @@
 """Command-line options derived from a config dataclass, so every command validates in one place.
 
 Each field becomes ``--field-name`` typed and defaulted from the field;
-booleans get ``--name/--no-name``, tuples take several values. A field whose
+booleans get ``--name/--no-name``, tuples take several values. With
+``given_only`` a flag left off the command line leaves no value at all (its
+help still names the dataclass default), so a command can tell the options a
+user gave from the ones it may fill in itself. A field whose
 metadata says ``cli=False`` (a value no flag can spell, such as a list of
 methods with their options) gets no flag; the command supplies it. The
 dataclass's own ``__post_init__`` then validates the values.
@@ -19,27 +22,28 @@ def _flagged(config: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(config) if f.metadata.get("cli", True)]
 
 
-def add_config_options(parser: argparse.ArgumentParser, config: type) -> None:
-    """One ``--option`` per dataclass field."""
+def add_config_options(parser: argparse.ArgumentParser, config: type, given_only: bool = False) -> None:
+    """One ``--option`` per dataclass field (``given_only``: no value unless the flag is given)."""
     hints = typing.get_type_hints(config)
     for f in _flagged(config):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        default = argparse.SUPPRESS if given_only else f.default
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=help_text)
+                                default=default, help=help_text)
         elif typing.get_origin(kind) is tuple:
             parser.add_argument(flag, dest=f.name, type=typing.get_args(kind)[0], nargs="+",
-                                default=f.default, help=help_text)
+                                default=default, help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+            parser.add_argument(flag, dest=f.name, type=kind, default=default,
                                 choices=f.metadata.get("choices"), help=help_text)
 
 
 def values_from_args(config: type, args: argparse.Namespace) -> dict[str, Any]:
-    """The flagged fields of ``config`` as parsed (lists from ``nargs`` become tuples)."""
-    values = {f.name: getattr(args, f.name) for f in _flagged(config)}
+    """The flagged fields of ``config`` that have a value (lists from ``nargs`` become tuples)."""
+    values = {f.name: getattr(args, f.name) for f in _flagged(config) if hasattr(args, f.name)}
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
