@@ -5,8 +5,17 @@ materialise [heads, T, T] per layer, 2.4 GB per layer at 8K in fp32. We only
 need a few query rows, so one chunked prefill records the post-RoPE queries
 of the chosen layers and leaves the post-RoPE keys in a :class:`StaticCache`;
 afterwards each layer's rows are a cheap ``q @ k.T`` for the queries we ask
-about, block by block. Memory stays near the KV cache plus the queries of the
-chosen layers (about 0.6 GB for all 30 SmolLM2 layers at 8K in fp32).
+about, block by block. Memory stays near the KV cache plus the kept queries.
+
+Only the queries from a first position on are kept: the last ones of the
+prompt for most analyses, a few megabytes, against 0.6 GB at 8K and 2.2 GB
+at 32K for every row of all 30 SmolLM2 layers in fp32 (what H2O's cumulative
+score needs). Given a stored prefill of the prompt
+(:class:`~sparsedraft.prefilled.PrefilledPrompt`, from memory or a
+:class:`~sparsedraft.prefill_store.PrefillStore`), the keys before that
+position come from a copy of its cache, and the model runs again only over
+the last few tokens to record their queries, instead of every notebook
+prefilling the whole prompt again (minutes at 32K on 2 cores).
 
 Grouped-query attention: query head ``h`` reads KV head ``h // group``; the
 queries of a group are folded into one matmul, as in the model.
@@ -17,29 +26,35 @@ window, so key ``j`` sits at position ``j``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
 from ..errors import require
 from ..generate import PREFILL_CHUNK, prefill
 from ..model import Capture, Transformer
+from ..prefilled import PrefilledPrompt, prefill_prompt
+
+if TYPE_CHECKING:
+    from ..prefill_store import PrefillStore
 
 
 @dataclass(frozen=True)
 class LayerQK:
-    """Queries and keys of one layer for a single sequence."""
+    """Queries and keys of one layer for a single sequence; the queries may be only the last rows."""
 
     layer: int
-    queries: torch.Tensor  # [H, T, D] post-RoPE
+    queries: torch.Tensor  # [H, T - start, D] post-RoPE, of positions start .. T - 1
     keys: torch.Tensor  # [KV, T, D] post-RoPE
     scale: float  # softmax scale, head_dim ** -0.5 in the model
+    start: int = 0  # position of the first query row; the queries before it were not kept
 
     def __post_init__(self) -> None:
         h, t, d = self.queries.shape
         kv, tk, dk = self.keys.shape
-        require(t == tk and d == dk, f"queries {tuple(self.queries.shape)} and keys {tuple(self.keys.shape)} "
-                                     "must share length and head_dim")
+        require(0 <= self.start and self.start + t == tk and d == dk,
+                f"queries {tuple(self.queries.shape)} from position {self.start} and keys "
+                f"{tuple(self.keys.shape)} must end at the same position and share head_dim")
         require(h % kv == 0, f"query heads ({h}) must be a multiple of KV heads ({kv})")
 
     @property
@@ -54,9 +69,16 @@ class LayerQK:
     def length(self) -> int:
         return self.keys.shape[1]
 
+    def queries_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Queries at the absolute ``positions`` [m]: [H, m, D] (float32)."""
+        require(positions.numel() == 0 or int(positions.min()) >= self.start,
+                f"the queries before position {self.start} were not kept, got position {int(positions.min())}; "
+                "capture from an earlier position (layer_qk's first)")
+        return self.queries[:, positions - self.start].float()
+
     def grouped_queries(self, positions: torch.Tensor) -> torch.Tensor:
         """Queries at ``positions`` [m] folded by KV head: [KV, group * m, D] (float32)."""
-        q = self.queries[:, positions].float()
+        q = self.queries_at(positions)
         return q.reshape(self.keys.shape[0], self.group * positions.numel(), q.shape[-1])
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
@@ -72,8 +94,10 @@ class LayerQK:
         """Attention each key received from all queries before each position (H2O's score): [H, m, T].
 
         Costs a full causal pass over queries ``0 .. max(positions) - 1`` in
-        blocks of ``block`` rows.
+        blocks of ``block`` rows, so it needs every query from position 0.
         """
+        require(self.start == 0, f"H2O's cumulative score sums the attention of every query, but only those from "
+                                 f"position {self.start} on were kept; capture every query (layer_qk with first=0)")
         out = torch.zeros(self.heads, positions.numel(), self.length, device=self.keys.device)
         total = torch.zeros(self.heads, self.length, device=self.keys.device)
         end = int(positions.max()) if positions.numel() else 0
@@ -113,10 +137,31 @@ def check_layers(model: Transformer, layers: Iterable[int] | None) -> list[int]:
     return chosen
 
 
+def stored_prefill(model: Transformer, prompt: torch.Tensor, prefilled: PrefilledPrompt | None,
+                   store: PrefillStore | None) -> PrefilledPrompt | None:
+    """``prefilled``, else ``store``'s prefill of ``prompt`` [1, T] (computed and written there when
+    missing, so the next notebook reads it), checked to be ``model``'s prefill of ``prompt``; None when
+    neither is given."""
+    require(prefilled is None or store is None, "pass a prefill or a prefill store, not both")
+    if prefilled is None and store is not None:
+        prefilled = prefill_prompt(model, prompt, store=store)
+    if prefilled is not None:
+        prefilled.check(model, prompt)
+    return prefilled
+
+
 @torch.inference_mode()
 def layer_qk(model: Transformer, prompt: torch.Tensor, layers: Iterable[int] | None = None,
-             prefill_chunk: int = PREFILL_CHUNK) -> Iterator[LayerQK]:
-    """Prefill ``prompt`` once and yield each chosen layer's queries and keys (float32 on the model's device)."""
+             prefill_chunk: int = PREFILL_CHUNK, *, first: int = 0, prefilled: PrefilledPrompt | None = None,
+             store: PrefillStore | None = None) -> Iterator[LayerQK]:
+    """Yield each chosen layer's keys and the queries of positions ``first`` on (float32, model's device).
+
+    Without ``prefilled`` or ``store`` the whole prompt is prefilled. With
+    one of them (``first`` > 0: :meth:`LayerQK.cumulative` needs every
+    query, which only a full prefill yields) the stored prefill's cache is
+    copied, rolled back to ``first`` tokens and the rest of the prompt run
+    again to record its queries; the stored cache is never written.
+    """
     prompt = as_sequence(prompt).to(model.device)
     length = prompt.shape[1]
     chosen = check_layers(model, layers)
@@ -124,9 +169,19 @@ def layer_qk(model: Transformer, prompt: torch.Tensor, layers: Iterable[int] | N
     require(window is None or length <= window,
             f"prompt of {length} tokens exceeds the sliding window ({window}); the analyses assume every query "
             "sees all earlier keys, so use a prompt of at most the window")
+    require(0 <= first < length, f"first query position must lie in [0, {length}) (the prompt length), got {first}")
+    require(first > 0 or (prefilled is None and store is None),
+            "every query (first=0) comes from a full prefill, which a stored prefill cannot shorten; "
+            "pass no prefill or store")
+    source = stored_prefill(model, prompt, prefilled, store)
     cache = model.new_cache(length)
+    rerun = 0
+    if source is not None:
+        cache.load_state(source.cache.state())  # a copy: the stored cache stays as it was
+        cache.rollback(length - first)
+        rerun = first
     capture = Capture(layers=set(chosen))
-    prefill(model, cache, prompt, prefill_chunk, capture=capture, capture_last=length)
+    prefill(model, cache, prompt[:, rerun:], prefill_chunk, capture=capture, capture_last=length - first)
     scale = model.cfg.head_dim ** -0.5
     for layer in chosen:
-        yield LayerQK(layer, capture.queries.pop(layer)[0], cache.keys(layer)[0].float(), scale)
+        yield LayerQK(layer, capture.queries.pop(layer)[0], cache.keys(layer)[0].float(), scale, first)

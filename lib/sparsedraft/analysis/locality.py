@@ -24,7 +24,7 @@ group's sets.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import pandas as pd
 import torch
@@ -34,6 +34,10 @@ from ..generate import PREFILL_CHUNK
 from ..model import Transformer
 from . import selection
 from .attention import LayerQK, as_sequence, check_positions, layer_qk
+
+if TYPE_CHECKING:
+    from ..prefill_store import PrefillStore
+    from ..prefilled import PrefilledPrompt
 
 SELECTIONS = ("topk", "chunk")
 
@@ -65,7 +69,7 @@ def _key_and_chunk_ranks(qk: LayerQK, positions: torch.Tensor, config: LocalityC
     """(key ranks per selection [G, m, T], retrieval chunk ranks [G, m, C], attention rows [H, m, T])."""
     weights = qk.rows(positions)
     kv, share = qk.keys.shape[0], config.share_across_group
-    scores = selection.chunk_scores(qk.queries[:, positions].float(), qk.keys, positions, config.chunk_size, share)
+    scores = selection.chunk_scores(qk.queries_at(positions), qk.keys, positions, config.chunk_size, share)
     chunk_rank = selection.ranks(scores)
     key_ranks = {"topk": selection.topk_ranks(weights, positions, kv, share),
                  "chunk": selection.chunk_key_ranks(chunk_rank, positions, config.chunk_size, qk.length)}
@@ -148,14 +152,21 @@ def layer_locality(qk: LayerQK, base_positions: Iterable[int] | torch.Tensor,
 
 
 def contextual_locality(model: Transformer, prompt: torch.Tensor, base_positions: Iterable[int] | torch.Tensor,
-                        layers: Iterable[int] | None = None,
-                        config: LocalityConfig = LocalityConfig()) -> LocalityResult:
-    """Overlap and decay for each chosen layer of ``model`` on ``prompt`` (one prefill)."""
+                        layers: Iterable[int] | None = None, config: LocalityConfig = LocalityConfig(), *,
+                        prefilled: PrefilledPrompt | None = None,
+                        store: PrefillStore | None = None) -> LocalityResult:
+    """Overlap and decay for each chosen layer of ``model`` on ``prompt`` (one prefill).
+
+    Only queries from the first base on are read, so ``prefilled`` or
+    ``store`` (see :func:`~.attention.layer_qk`) replace the prefill by a copy
+    of a stored one and a re-run of the last ``T - bases[0]`` tokens.
+    """
     prompt = as_sequence(prompt)
     bases = check_positions(base_positions, prompt.shape[1])
     _check_reach(bases, config, prompt.shape[1])  # fail before the prefill
     overlaps, decays = [], []
-    for qk in layer_qk(model, prompt, layers, config.prefill_chunk):
+    for qk in layer_qk(model, prompt, layers, config.prefill_chunk, first=int(bases[0]), prefilled=prefilled,
+                       store=store):
         result = layer_locality(qk, bases, config)
         for frame, out in ((result.overlap, overlaps), (result.decay, decays)):
             frame.insert(0, "layer", qk.layer)

@@ -8,17 +8,19 @@ the attention mass of a query that falls on the kept keys, for the oracle
 same budget: TriForce's chunk retrieval, StreamingLLM and H2O (see
 :mod:`.selection` for each rule).
 
-The query rows come from one prefill (:mod:`.attention`), then each layer is
-handled on its own and queries in blocks, so memory stays bounded at 8K
-context on SmolLM2. H2O needs the attention every earlier query paid, a full
-causal pass per layer: the one quadratic cost here, skipped when ``"h2o"`` is
-not among the methods.
+The query rows come from one prefill (:mod:`.attention`), or from a stored
+prefill and a short re-run of the queried tail, then each layer is handled on
+its own and queries in blocks, so memory stays bounded at 32K context on
+SmolLM2. H2O needs the attention every earlier query paid, a full causal pass
+per layer over every query row: the one quadratic cost here, skipped when
+``"h2o"`` is not among the methods, and the one case a stored prefill cannot
+serve (see :func:`attention_recovery`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import pandas as pd
 import torch
@@ -28,6 +30,10 @@ from ..generate import PREFILL_CHUNK
 from ..model import Transformer
 from . import selection
 from .attention import LayerQK, as_sequence, check_positions, layer_qk
+
+if TYPE_CHECKING:
+    from ..prefill_store import PrefillStore
+    from ..prefilled import PrefilledPrompt
 
 METHODS = ("topk", "chunk", "streaming", "h2o")
 
@@ -74,8 +80,8 @@ def _block_recovery(qk: LayerQK, positions: torch.Tensor, cumulative: torch.Tens
     if "topk" in config.methods:
         fixed["topk"] = selection.topk_ranks(weights, positions, kv, share)
     if "chunk" in config.methods:
-        queries = qk.queries[:, positions].float()
-        fixed["chunk"] = selection.chunk_ranks(queries, qk.keys, positions, config.chunk_size, share)
+        fixed["chunk"] = selection.chunk_ranks(qk.queries_at(positions), qk.keys, positions, config.chunk_size,
+                                               share)
     if "streaming" in config.methods:
         fixed["streaming"] = selection.streaming_ranks(positions, qk.length, config.sink)
     rows = []
@@ -112,18 +118,29 @@ def layer_recovery(qk: LayerQK, positions: Iterable[int] | torch.Tensor,
 
 
 def attention_recovery(model: Transformer, prompt: torch.Tensor, query_positions: Iterable[int] | torch.Tensor,
-                       layers: Iterable[int] | None = None,
-                       config: SparsityConfig = SparsityConfig()) -> pd.DataFrame:
+                       layers: Iterable[int] | None = None, config: SparsityConfig = SparsityConfig(), *,
+                       prefilled: PrefilledPrompt | None = None, store: PrefillStore | None = None) -> pd.DataFrame:
     """Recovery of every method and budget for each layer and head of ``model`` on ``prompt``.
 
     One prefill of ``prompt`` ([T] or [1, T]); ``query_positions`` (e.g.
     :func:`last_positions`) pick the queries; ``layers`` default to all.
+    ``prefilled`` or ``store`` (see :func:`~.attention.layer_qk`) replace the
+    prefill by a copy of a stored one and a re-run of the tail from the
+    first query. H2O needs every query row, so with ``"h2o"`` among the
+    methods the whole prompt is prefilled: a ``store`` is then not used and a
+    ``prefilled`` is refused (it was paid for and could not help).
     Columns: layer, head, method, budget, budget_tokens, recovery.
     """
     prompt = as_sequence(prompt)
     positions = check_positions(query_positions, prompt.shape[1])  # fail before the prefill
+    every_query = "h2o" in config.methods
+    require(not (every_query and prefilled is not None),
+            "H2O's cumulative score needs every query's attention row, which only a full prefill captures; "
+            "drop 'h2o' from the methods or pass no prefill")
+    first = 0 if every_query else int(positions[0])
+    store = None if every_query else store
     frames = []
-    for qk in layer_qk(model, prompt, layers, config.prefill_chunk):
+    for qk in layer_qk(model, prompt, layers, config.prefill_chunk, first=first, prefilled=prefilled, store=store):
         frame = layer_recovery(qk, positions, config)
         frame.insert(0, "layer", qk.layer)
         frames.append(frame)
