@@ -11,12 +11,13 @@ import sparsedraft.weights
 from sparsedraft import METHODS
 from sparsedraft.__main__ import main
 from sparsedraft.bench import BENCHES, ArBenchConfig, CompareConfig, compare, run_ar_bench
-from sparsedraft.bench.ar import matching_prefix
+from sparsedraft.bench.ar import matching_prefix, time_verify_random
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.model import Transformer
 from sparsedraft.report import format_table
 from sparsedraft.roofline import bytes_per_token, kv_bytes, weight_bytes
 from sparsedraft.runtime import resolve_device
+from sparsedraft.tiny import tiny_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,6 +65,20 @@ def test_ar_bench_returns_consistent_rows():
             assert v.decode1_ms > 0 and v.verify_ms > 0 and v.cost_ratio == pytest.approx(v.verify_ms / v.decode1_ms)
     assert "transformers" in result.to_dict()["versions"]
     assert "verify-7 / decode-1 at context 96 (random)" in result.table()
+
+
+def test_verify_over_random_caches_one_row_per_context(monkeypatch):
+    model = tiny_model("llama")
+    rows = time_verify_random(model, [16, 40], tokens=3, iters=1)
+    assert [(r.context, r.tokens, r.filled) for r in rows] == [(16, 3, "random"), (40, 3, "random")]
+    assert all(r.decode1_ms > 0 and r.cost_ratio == pytest.approx(r.verify_ms / r.decode1_ms) for r in rows)
+
+    def no_cache(*args):
+        raise AssertionError("a cache was filled before the contexts were checked")
+    monkeypatch.setattr("sparsedraft.bench.ar.random_cache", no_cache)
+    limit = model.cfg.max_position_embeddings
+    with pytest.raises(SparsedraftError, match="maximum of"):
+        time_verify_random(model, [16, limit - 2], tokens=3, iters=1)
 
 
 def test_matching_prefix_and_table():

@@ -5,10 +5,11 @@ import math
 import pytest
 
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.roofline import (HARDWARE, MODELS, Hardware, attention_flops, bytes_per_token, bytes_per_token_table,
-                                  crossover_context, fig1_table, flops_per_token_table, footprint_bytes,
-                                  ideal_latency_ms, kv_bytes, latency_table, measure_read_bandwidth, parameter_count,
-                                  this_machine, weight_bytes, weight_flops, weight_params_read)
+from sparsedraft.roofline import (HARDWARE, MODELS, Hardware, StepCost, attention_flops, bytes_per_token,
+                                  bytes_per_token_table, crossover_context, fig1_table, flops_per_token_table,
+                                  footprint_bytes, ideal_latency_ms, kv_bytes, latency_table, measure_matmul_flops,
+                                  measure_read_bandwidth, parameter_count, step_cost, this_machine,
+                                  verify_roofline_table, weight_bytes, weight_flops, weight_params_read)
 from sparsedraft.tiny import TINY_CONFIGS, tiny_model
 
 
@@ -35,6 +36,47 @@ def test_read_bandwidth_is_positive_and_validated():
     assert measure_read_bandwidth("cpu", nbytes=1 << 16, repeats=2) > 0
     with pytest.raises(SparsedraftError, match="nbytes"):
         measure_read_bandwidth("cpu", nbytes=0)
+
+
+def test_matmul_peak_is_positive_and_validated():
+    assert measure_matmul_flops("cpu", n=64, repeats=2) > 0
+    with pytest.raises(SparsedraftError, match="repeats"):
+        measure_matmul_flops("cpu", n=64, repeats=0)
+
+
+def test_step_cost_hand_counts():
+    cfg = tiny_model("llama").cfg  # 2 layers, 4 heads, 2 KV heads (group 2), head_dim 32
+    step = step_cost(cfg, context=100, tokens=3, dtype_bytes=4)
+    assert step.kv_bytes == 2 * 2 * 2 * 32 * 100 * 4 == 102_400  # read once for the three queries
+    assert step.attention_flops == 3 * 4 * 2 * 4 * 32 * 100 == 307_200
+    assert step.attention_flops_per_byte == 2 * 3 * 2 / 4 == 3.0  # 2 * tokens * group / dtype_bytes
+    assert step.weight_bytes == weight_bytes(cfg, 4) and step.weight_flops == 3 * weight_flops(cfg)
+    with pytest.raises(SparsedraftError, match="tokens"):
+        step_cost(cfg, 100, 0, 4)
+
+
+def test_step_time_is_the_roofline_of_each_part_added():
+    step = StepCost(tokens=2, context=10, weight_bytes=1000, weight_flops=500, kv_bytes=200, attention_flops=900)
+    # at 1e5 bytes/s and 1e5 FLOP/s: weights max(10 ms, 5 ms) + attention max(2 ms, 9 ms) = 19 ms
+    assert step.ms(bandwidth=1e5, peak_flops=1e5) == pytest.approx(19.0)
+    assert step.ms(bandwidth=1e5, peak_flops=1e6) == pytest.approx(10.0 + 2.0)  # both memory bound
+    with pytest.raises(SparsedraftError, match="peak_flops"):
+        step.ms(1e5, 0.0)
+
+
+def test_smollm2_verification_at_32k_is_compute_bound_on_a_cpu_and_free_on_an_a100():
+    cfg = MODELS["smollm2-135m"]
+    cpu = verify_roofline_table(cfg, [32000], tokens=9, dtype_bytes=4, bandwidth=25e9, peak_flops=100e9).iloc[0]
+    assert cpu.attention_flops_per_byte == 2 * 9 * 3 / 4 == 13.5 and cpu.ridge_flops_per_byte == 4.0
+    # weights: 538,060,032 bytes, 268,959,744 FLOPs per token; KV at 32000: 1,474,560,000 bytes,
+    # 2,211,840,000 FLOPs per query. Decode-1 is memory bound: 21.5224 + 58.9824 ms. Verify-9 is compute bound:
+    # weights 9 * 268,959,744 / 100e9 = 24.2064 ms, attention 9 * 2,211,840,000 / 100e9 = 199.0656 ms.
+    assert cpu.decode1_ms == pytest.approx(21.5224024 + 58.9824)
+    assert cpu.verify_ms == pytest.approx(24.20637696 + 199.0656)
+    assert cpu.cost_ratio == pytest.approx(223.27197696 / 80.5048024)
+    a100 = HARDWARE["a100-80gb"]
+    gpu = verify_roofline_table(cfg, [32000], 9, 2, a100.bandwidth_gb_s * 1e9, a100.fp16_tflops * 1e12).iloc[0]
+    assert gpu.attention_flops_per_byte == 27.0 < gpu.ridge_flops_per_byte and gpu.cost_ratio == pytest.approx(1.0)
 
 
 def test_tiny_llama_hand_counts():

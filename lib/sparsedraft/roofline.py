@@ -21,6 +21,9 @@ Conventions (one definition, used by benchmarks, cost models and notebooks):
 - ideal latency = bytes / bandwidth (or FLOPs / peak when that is larger):
   a lower bound that ignores kernel launches, activations and attention
   softmax traffic, which is why measured forwards are slower.
+  :class:`StepCost` applies it to a k-token step part by part (weights,
+  attention) against a measured peak (:func:`measure_matmul_flops`): a
+  verification's attention can be compute bound on a CPU and not on a GPU.
 - :data:`HARDWARE` holds datasheet peaks: bandwidth in GB/s (1e9 bytes/s) and
   dense fp16 tensor-core TFLOPs (no 2:4 sparsity). Real kernels reach a
   fraction of both; :func:`measure_read_bandwidth` and :func:`this_machine`
@@ -35,6 +38,7 @@ Conventions (one definition, used by benchmarks, cost models and notebooks):
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -210,6 +214,35 @@ def measure_read_bandwidth(device: str | torch.device = "cpu", nbytes: int = GIB
     return buffer.numel() * buffer.element_size() / best
 
 
+def measure_matmul_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, n: int = 2048,
+                         repeats: int = 7) -> float:
+    """FLOP/s of an ``n`` x ``n`` by ``n`` x ``n`` matmul on ``device``: the compute peak the roofline uses.
+
+    A verification of k tokens turns attention from a matrix-vector product
+    into a k-row matmul, so the rate that bounds it once it stops being
+    memory bound is what a dense matmul reaches here (not a datasheet peak).
+    One untimed product warms the kernels; the median of ``repeats`` timed
+    products, each between device synchronisations, is returned. The default
+    ``n`` (2 * 2048**3 = 17 GFLOP) takes about 0.1 s per product on a
+    2-core CPU, so a measurement costs about a second; use a larger ``n`` on a
+    GPU, where 17 GFLOP take well under a millisecond.
+    """
+    require(n >= 1 and repeats >= 1, f"n must be >= 1 and repeats >= 1, got n={n}, repeats={repeats}")
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=generator, device=device).to(dtype)
+    b = torch.randn(n, n, generator=generator, device=device).to(dtype)
+    a @ b
+    seconds = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return 2 * n ** 3 / statistics.median(seconds)
+
+
 def this_machine(measured_bandwidth_gb_s: float, name: str = "this machine",
                  fp16_tflops: float | None = None, memory_gb: float | None = None) -> Hardware:
     """A profile for the machine at hand, from a measured bandwidth in GB/s.
@@ -296,6 +329,68 @@ def latency_table(cfg: ModelConfig, hardware: Sequence[Hardware], contexts: Iter
                 "footprint_gb": footprint,
                 "fits": None if hw.memory_gb is None else footprint <= hw.memory_gb,
             })
+    return pd.DataFrame(rows)
+
+
+# ---- a k-token step over a cache, under the roofline -------------------------------------------
+
+@dataclass(frozen=True)
+class StepCost:
+    """Bytes read and FLOPs of one forward of ``tokens`` query tokens over ``context`` cached tokens.
+
+    The weights are read once whatever ``tokens`` is; their FLOPs grow with
+    it. The cache is read once too (the queries of a GQA group are folded
+    into one matmul per KV head), while its FLOPs grow with ``tokens`` and
+    the group size: attention's intensity is 2 * tokens * heads / kv_heads /
+    dtype_bytes FLOPs per byte, so a k-token verification over a long cache
+    can cross a machine's ridge point while a one-token step stays below it.
+    """
+
+    tokens: int
+    context: int
+    weight_bytes: int
+    weight_flops: int
+    kv_bytes: int
+    attention_flops: int
+
+    @property
+    def attention_flops_per_byte(self) -> float:
+        return self.attention_flops / self.kv_bytes if self.kv_bytes else 0.0
+
+    def ms(self, bandwidth: float, peak_flops: float) -> float:
+        """Roofline time at ``bandwidth`` bytes/s and ``peak_flops`` FLOP/s: each part (weight matmuls,
+        attention) takes max(bytes / bandwidth, FLOPs / peak), and the parts add, since one runs after the
+        other in a forward."""
+        require(bandwidth > 0 and peak_flops > 0,
+                f"bandwidth and peak_flops must be > 0 (bytes/s, FLOP/s), got {bandwidth} and {peak_flops}")
+        parts = ((self.weight_bytes, self.weight_flops), (self.kv_bytes, self.attention_flops))
+        return 1000 * sum(max(n_bytes / bandwidth, flops / peak_flops) for n_bytes, flops in parts)
+
+
+def step_cost(cfg: ModelConfig, context: int, tokens: int, dtype_bytes: int) -> StepCost:
+    """Cost of a ``tokens``-token forward over ``context`` cached tokens (each query sees ``context`` keys;
+    the few new keys of the step itself are left out)."""
+    require(tokens >= 1, f"tokens must be >= 1 query tokens per step, got {tokens}")
+    return StepCost(tokens, context, weight_bytes(cfg, dtype_bytes), tokens * weight_flops(cfg),
+                    kv_bytes(cfg, context, dtype_bytes), tokens * attention_flops(cfg, context))
+
+
+def verify_roofline_table(cfg: ModelConfig, contexts: Iterable[int], tokens: int, dtype_bytes: int,
+                          bandwidth: float, peak_flops: float) -> pd.DataFrame:
+    """Roofline decode-1 and verify-``tokens`` ms against context at ``bandwidth`` bytes/s and ``peak_flops``.
+
+    Columns: context, tokens, decode1_ms, verify_ms, cost_ratio (verify /
+    decode-1; the names of :class:`sparsedraft.bench.ar.VerifyRow`),
+    attention_flops_per_byte (of the verification) and ridge_flops_per_byte
+    (peak / bandwidth: attention above it is compute bound).
+    """
+    rows = []
+    for context in _contexts(contexts):
+        one, many = step_cost(cfg, context, 1, dtype_bytes), step_cost(cfg, context, tokens, dtype_bytes)
+        decode1, verify = one.ms(bandwidth, peak_flops), many.ms(bandwidth, peak_flops)
+        rows.append({"context": context, "tokens": tokens, "decode1_ms": decode1, "verify_ms": verify,
+                     "cost_ratio": verify / decode1, "attention_flops_per_byte": many.attention_flops_per_byte,
+                     "ridge_flops_per_byte": peak_flops / bandwidth})
     return pd.DataFrame(rows)
 
 

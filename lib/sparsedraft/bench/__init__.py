@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from ..methods import METHODS
-from .ar import ArBenchConfig, ArBenchResult, run_ar_bench
+from .ar import ArBenchConfig, ArBenchResult, VerifyRow, run_ar_bench, time_verify_random
 from .comparison import BASELINE, CompareConfig, CompareResult, MethodRow, compare
 
 
@@ -49,4 +49,4 @@ BENCHES: dict[str, Bench] = {
 }
 
 __all__ = ["BENCHES", "ArBenchConfig", "ArBenchResult", "Bench", "BenchResult", "CompareConfig", "CompareResult",
-           "MethodRow", "compare", "run_ar_bench"]
+           "MethodRow", "VerifyRow", "compare", "run_ar_bench", "time_verify_random"]
