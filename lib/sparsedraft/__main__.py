@@ -60,11 +60,11 @@ def bench_config(args: argparse.Namespace):
 def run_bench(args: argparse.Namespace) -> None:
     config = bench_config(args)
     bench = BENCHES[args.bench]
-    if bench.method is not None and tuned_context(bench.method, config.context) is not None:
-        print(f"{bench.method} options not given take the best settings measured at context "
-              f"{tuned_context(bench.method, config.context)} ({SOURCE}): {config.methods[0][1]}", file=sys.stderr)
     result = bench.run(config, True)
     print(result.table())
+    if bench.method is not None and tuned_context(bench.method, config.context) is not None:
+        print(f"{bench.method} options not given on the command line took the best settings measured at context "
+              f"{tuned_context(bench.method, config.context)} ({SOURCE}): {config.methods[0][1]}")
     print(json.dumps(result.to_dict()))
 
 
