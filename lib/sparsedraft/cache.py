@@ -196,3 +196,53 @@ class SequenceView(KVCache):
 
     def reset(self) -> None:
         self._mask = None
+
+
+class RowCaches(KVCache):
+    """A batch whose rows live in caches of their own: one forward over rows of any lengths and cache kinds.
+
+    Row ``b`` of a ``[B, T]`` forward holds ``counts[b] <= T`` real tokens at
+    the *end* of the step (the step is left-padded); only those reach
+    ``rows[b]``, a batch-1 cache of any class, which keeps its own length,
+    positions, mask and rollback. The model asks :meth:`attend_row` per row
+    (see :class:`~sparsedraft.model.Attention`), so each row's attention is the
+    very call its batch-1 run makes. Padded queries get zeros; their outputs
+    mean nothing and the caller drops them. Built per forward by
+    :mod:`sparsedraft.lockstep`, which batches independent batch-1 decoders.
+    """
+
+    def __init__(self, rows: list[KVCache], counts: list[int]):
+        require(len(rows) == len(counts) and rows, "RowCaches takes one cache and one token count per row")
+        prerope = {row.keys_prerope for row in rows}
+        require(len(prerope) == 1, "the rows of one forward must all store keys rotated, or all unrotated")
+        self.rows, self.counts = rows, counts
+        self.keys_prerope = prerope.pop()
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        t = positions.shape[1]
+        require(all(1 <= n <= t for n in self.counts), f"row token counts {self.counts} must be in 1..{t}")
+        rope = positions.clone()
+        for b, (row, n) in enumerate(zip(self.rows, self.counts)):
+            rope[b, t - n:] = row.begin(positions[b:b + 1, t - n:])[0].to(rope.device)
+        return rope
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        raise NotImplementedError("RowCaches attends row by row: the model calls attend_row")
+
+    def attend_row(self, b: int, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Row ``b``'s real tokens of k, v ``[B, kv_heads, T, D]`` into its cache: (keys, values, mask) as
+        ``rows[b].attend`` gives them, and the row's token count."""
+        n = self.counts[b]
+        t = k.shape[2]
+        return (*self.rows[b].attend(layer, k[b:b + 1, :, t - n:], v[b:b + 1, :, t - n:]), n)
+
+    def end(self) -> None:
+        for row in self.rows:
+            row.end()
+
+    def rollback(self, n: int) -> None:
+        raise NotImplementedError("roll back each row's own cache (rows[b].rollback)")
+
+    def reset(self) -> None:
+        for row in self.rows:
+            row.reset()

@@ -51,6 +51,8 @@ class DecodeResult:
     stats: SpecStats | None = None  # a speculative run's full record (time per region, rebuilds)
     text: list[str] | None = None  # decoded tokens per sequence when a tokenizer is known
     shared_prefill_s: float = 0.0  # the part of prefill_s a shared prefill spent (its seconds); 0 without one
+    rows: list["DecodeResult"] | None = None  # a batch: each row's own result (its levels, times, stats)
+    lockstep: Any = None  # a batch: what the batching did (:class:`~sparsedraft.lockstep.LockstepStats`)
 
     @property
     def ms_per_token(self) -> float:
@@ -104,10 +106,24 @@ def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
+def is_batch(prompt: Prompt, attention_mask: torch.Tensor | None) -> bool:
+    """Whether ``prompt`` is several prompts: a list of texts or id rows, or a [B > 1, T] tensor."""
+    if attention_mask is not None:
+        return True
+    if isinstance(prompt, torch.Tensor):
+        return prompt.dim() == 2 and prompt.shape[0] > 1
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence) or len(prompt) == 0:
+        return False
+    first = prompt[0]
+    return len(prompt) > 1 and (isinstance(first, str) or not isinstance(first, (int, float)))
+
+
 def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_tokens: int = 64, *,
            sampling: SamplingConfig | None = None, temperature: float | None = None, top_p: float | None = None,
            seed: int | None = None, tokenizer: Tokenizer | None = None, eos_token_id: int | None = None,
-           prefilled: PrefilledPrompt | None = None, **options: Any) -> DecodeResult:
+           prefilled: PrefilledPrompt | Sequence[PrefilledPrompt] | None = None,
+           attention_mask: torch.Tensor | None = None, max_memory: int | str | None = None,
+           **options: Any) -> DecodeResult:
     """Generate ``max_new_tokens`` with ``method`` (see :data:`sparsedraft.methods.METHODS` for each one's options).
 
     ``sampling`` (or the ``temperature``/``top_p``/``seed`` shortcuts) sets
@@ -116,30 +132,100 @@ def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_token
     of this model and prompt) replaces the prompt forward by a copy of it and is
     left as it was. Every option, the prompt and the prefill are checked before
     the first forward.
+
+    A batch -- a list of prompts of any lengths, or a ``[B, T]`` tensor (with
+    ``attention_mask`` when padded) -- runs every row through the method at
+    batch 1 in lockstep, one forward per step for all rows
+    (:mod:`sparsedraft.batching`); ``prefilled`` is then one prefill per row,
+    ``max_memory`` caps what the batch may hold (default: the available memory),
+    and the result's ``rows`` hold each row's own result.
     """
     opts = method_options(method, **options)
     shortcuts = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed)) if v is not None}
     require(sampling is None or not shortcuts, "give either sampling= or temperature/top_p/seed, not both")
     sampling = sampling or SamplingConfig(**shortcuts)
-    if tokenizer is None and (isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt
-                                                           and isinstance(prompt[0], str))):
+    texts = isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], str))
+    if tokenizer is None and texts:
         tokenizer = tokenizer_for(model)
+    if is_batch(prompt, attention_mask):
+        from .batching import prompt_rows
+        return _decode_batch(model, prompt_rows(prompt, tokenizer, attention_mask), method, max_new_tokens,
+                             sampling, opts, tokenizer, eos_token_id, prefilled, max_memory)
+    require(prefilled is None or isinstance(prefilled, PrefilledPrompt),
+            "one prompt takes one prefill (a PrefilledPrompt), not a list")
     ids = prompt_ids(prompt, tokenizer).to(model.device)
-    check_prompt(model, ids, max_new_tokens)
-    if method != "ar":
-        require(ids.shape[0] == 1, f"method {method!r} decodes one sequence (batch 1), got batch {ids.shape[0]}; "
-                                   "loop over the prompts")
-        require(ids.shape[1] >= 2, f"speculative methods need a prompt of >= 2 tokens, got {ids.shape[1]}")
-    opts.check(model.cfg, ids.shape[1])
+    _check_run(model, ids, method, max_new_tokens, opts)
     if prefilled is not None:
         prefilled.check(model, ids)
     outcome = METHODS[method].run(model, ids, max_new_tokens, sampling, opts, eos_token_id, prefilled)
-    shared = prefilled.seconds if prefilled is not None else 0.0
+    return _result(method, outcome, ids.shape[1], tokenizer, prefilled.seconds if prefilled is not None else 0.0)
+
+
+def _check_run(model: Transformer, ids: torch.Tensor, method: str, max_new_tokens: int, opts: Any) -> None:
+    check_prompt(model, ids, max_new_tokens)
+    if method != "ar":
+        require(ids.shape[1] >= 2, f"speculative methods need a prompt of >= 2 tokens, got {ids.shape[1]}")
+    opts.check(model.cfg, ids.shape[1])
+
+
+def _result(method: str, outcome: Any, prompt_len: int, tokenizer: Tokenizer | None, shared: float) -> DecodeResult:
     text = None if tokenizer is None else [tokenizer.decode(row.tolist()) for row in outcome.tokens]
     if isinstance(outcome, GenerationResult):
-        return DecodeResult(method, outcome.tokens, ids.shape[1], outcome.prefill_s, outcome.decode_s,
+        return DecodeResult(method, outcome.tokens, prompt_len, outcome.prefill_s, outcome.decode_s,
                             max(outcome.tokens.shape[1] - 1, 0), text=text, shared_prefill_s=shared)
     s = outcome.stats
-    return DecodeResult(method, outcome.tokens, ids.shape[1], s.prefill_s, s.decode_s, s.generated, s.levels, s,
+    return DecodeResult(method, outcome.tokens, prompt_len, s.prefill_s, s.decode_s, s.generated, s.levels, s,
                         text, shared)
 
+
+def _decode_batch(model: Transformer, rows: list[torch.Tensor], method: str, max_new_tokens: int,
+                  sampling: SamplingConfig, opts: Any, tokenizer: Tokenizer | None, eos: int | None,
+                  prefilled: Sequence[PrefilledPrompt] | None, max_memory: int | str | None) -> DecodeResult:
+    """Every check (each row's prompt and prefill, the memory), then the rows in lockstep; one result."""
+    from .batching import batch_bytes, check_memory, run_batch
+    from .methods import load_draft
+
+    if prefilled is not None:
+        require(not isinstance(prefilled, PrefilledPrompt) and len(prefilled) == len(rows),
+                f"a batch of {len(rows)} prompts takes one prefill per row (a list of {len(rows)})")
+    for b, row in enumerate(rows):
+        _check_run(model, row[None], method, max_new_tokens, opts)
+        if prefilled is not None:
+            prefilled[b].check(model, row[None])
+    draft = load_draft(opts.draft, model) if hasattr(opts, "draft") else None  # once, shared by the rows
+    require(draft is None or isinstance(draft, Transformer),
+            "a Drafter object follows one sequence; for a batch pass the draft as a model or a source string")
+    check_memory(batch_bytes(model, draft, [row.numel() for row in rows], max_new_tokens, method, opts,
+                             prefilled is not None), max_memory)
+    run = run_batch(model, rows, method, max_new_tokens, sampling, opts, eos, prefilled, draft)
+    results = [_result(method, outcome, row.numel(), tokenizer, prefilled[b].seconds if prefilled else 0.0)
+               for b, (outcome, row) in enumerate(zip(run.outcomes, rows))]
+    width = max(r.tokens.shape[1] for r in results)
+    fill = eos if eos is not None else -1
+    tokens = torch.full((len(rows), width), fill, dtype=torch.long)
+    for b, r in enumerate(results):
+        tokens[b, :r.tokens.shape[1]] = r.tokens[0]
+    levels = merge_levels([r.levels for r in results])
+    slowest = max(results, key=lambda r: r.decode_s)
+    text = None if tokenizer is None else [t for r in results for t in r.text]
+    return DecodeResult(method, tokens, max(row.numel() for row in rows), max(r.prefill_s for r in results),
+                        slowest.decode_s, max(r.decode_tokens for r in results), levels, None, text,
+                        max(r.shared_prefill_s for r in results), rows=results, lockstep=run.lockstep)
+
+
+def merge_levels(per_row: list[list[LevelStats]]) -> list[LevelStats]:
+    """One list of levels whose counts add up every row's."""
+    if not per_row or not per_row[0]:
+        return []
+    merged = []
+    for level_rows in zip(*per_row):
+        total = LevelStats(level_rows[0].name)
+        for level in level_rows:
+            total.drafted += level.drafted
+            total.accepted += level.accepted
+            total.verifications += level.verifications
+            for g, counts in level.rounds.items():
+                mine = total.rounds.setdefault(g, [0] * len(counts))
+                total.rounds[g] = [a + b for a, b in zip(mine, counts)]
+        merged.append(total)
+    return merged

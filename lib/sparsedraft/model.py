@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .cache import CAUSAL, Causal, KVCache, SequenceView, StaticCache, causal_tail
+from .cache import CAUSAL, Causal, KVCache, RowCaches, SequenceView, StaticCache, causal_tail
 from .config import ModelConfig
 from .errors import require
 from .rope import Rotary
@@ -169,11 +169,36 @@ def _additive(mask: torch.Tensor | tuple[int, int], dtype: torch.dtype, device: 
     return _BIAS[key][1]  # the entry holds the mask too, so its id cannot be reused while it lives
 
 
+def _attend_rows(cache: RowCaches, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Attention of a :class:`~sparsedraft.cache.RowCaches` batch: each row's real (last) queries over its
+    own cache, by the call its batch-1 forward makes; padded queries get zeros."""
+    out = torch.zeros_like(q)
+    t = q.shape[2]
+    for b in range(q.shape[0]):
+        keys, values, mask, n = cache.attend_row(b, layer, k, v)
+        out[b:b + 1, :, t - n:] = attention(q[b:b + 1, :, t - n:], keys, values, mask, scale)[0]
+    return out
+
+
+EXACT_ROWS = 256  # a batch of steps (<= KERNEL_MAX_TOKENS tokens a row) up to this many rows: the kernel, 16 rows a call
+
+
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``; a decode or verification step (at most 16 rows, CPU, no autograd) goes through the C++
-    kernel, which reads the weight once for all rows and gives each row the bits it gets alone."""
-    if isinstance(layer, nn.Linear) and kernels.linear_fits(x, layer.weight):  # not an int8 layer (quant.py)
+    """``layer(x)``; a decode or verification step (CPU, no autograd, at most :data:`EXACT_ROWS` rows of at most
+    :data:`KERNEL_MAX_TOKENS` tokens per sequence) goes through the C++ kernel, which reads the weight once per 16 rows and gives each row the bits it gets
+    alone, so a batch of steps gives every row what its batch-1 step gives."""
+    if not isinstance(layer, nn.Linear):  # an int8 layer (quant.py)
+        return layer(x)
+    rows = x.numel() // x.shape[-1]
+    step = kernels.MAX_LINEAR_ROWS
+    if rows <= step and kernels.linear_fits(x, layer.weight):
         return kernels.linear(x, layer.weight, layer.bias)
+    if (step < rows <= EXACT_ROWS and x.dim() == 3 and x.shape[1] <= KERNEL_MAX_TOKENS
+            and kernels.linear_fits(x[:1, :1], layer.weight)):  # a batch of steps; prefill chunks keep GEMMs
+        flat = x.reshape(rows, x.shape[-1])
+        parts = [kernels.linear(flat[i:i + step], layer.weight, layer.bias) for i in range(0, rows, step)]
+        return torch.cat(parts).view(*x.shape[:-1], layer.weight.shape[0])
     return layer(x)
 
 
@@ -201,9 +226,13 @@ class Attention(nn.Module):
         q = angles.apply(q)
         if not cache.keys_prerope:
             k = angles.apply(k)
-        keys, values, mask = cache.attend(self.layer, k, v)
         record = capture is not None and self.layer in capture.layers
-        out, weights = attention(q, keys, values, mask, self.scale, need_weights=record and capture.weights)
+        if isinstance(cache, RowCaches):
+            require(not (record and capture.weights), "attention weights are not captured over a RowCaches batch")
+            out, weights = _attend_rows(cache, self.layer, q, k, v, self.scale), None
+        else:
+            keys, values, mask = cache.attend(self.layer, k, v)
+            out, weights = attention(q, keys, values, mask, self.scale, need_weights=record and capture.weights)
         if record:
             capture.queries[self.layer] = q.detach()
             if weights is not None:
