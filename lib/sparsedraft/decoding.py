@@ -186,7 +186,7 @@ def _decode_batch(model: Transformer, rows: list[torch.Tensor], method: str, max
     from .methods import load_draft
 
     if prefilled is not None:
-        require(not isinstance(prefilled, PrefilledPrompt) and len(prefilled) == len(rows),
+        require(isinstance(prefilled, Sequence) and len(prefilled) == len(rows),
                 f"a batch of {len(rows)} prompts takes one prefill per row (a list of {len(rows)})")
     for b, row in enumerate(rows):
         _check_run(model, row[None], method, max_new_tokens, opts)

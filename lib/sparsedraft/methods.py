@@ -35,6 +35,7 @@ from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retri
                           truncated_draft)
 
 DRAFT_CACHES = ("full", "streaming", "budget")
+SELF = "self"  # the target drafts for itself (with draft_cache streaming: MagicDec's StreamingLLM self-speculation)
 
 
 def _check_draft(draft: Any) -> None:
@@ -56,7 +57,8 @@ def _check_trained_budget(draft: Any, budget: int) -> None:
 
 def _check_draft_source(draft: Any) -> None:
     """A draft named by a string must be findable before anything loads (an HF id may download here)."""
-    if not isinstance(draft, str) or draft == "ngram" or draft.startswith("truncated:") or has_checkpoint(Path(draft)):
+    if (not isinstance(draft, str) or draft in ("ngram", SELF) or draft.startswith("truncated:")
+            or has_checkpoint(Path(draft))):
         return
     from .weights import resolve
     try:
@@ -103,7 +105,8 @@ class SpecOptions(StreamingDraftOptions):
     """A draft proposes ``gamma`` tokens per full-target verification."""
 
     draft: str = field(default="ngram", metadata={
-        "help": "ngram (prompt lookup), truncated:K (the target's first K layers), a model source, or a BudgetDraft "
+        "help": "ngram (prompt lookup), self (the target itself: with --draft-cache streaming, StreamingLLM "
+                "self-speculation), truncated:K (the target's first K layers), a model source, or a BudgetDraft "
                 "run folder; from Python also a Transformer or Drafter"})
     draft_cache: str = field(default="full", metadata={
         "help": "the draft model's cache: full, streaming (sink + window) or budget (BudgetDraft, --budget tokens)",
@@ -117,6 +120,9 @@ class SpecOptions(StreamingDraftOptions):
         _check_draft(self.draft)
         require(self.draft_cache in DRAFT_CACHES, f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         require(self.gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {self.gamma}")
+        require(not (self.draft == SELF and self.draft_cache == "full"),
+                "draft self over a full cache drafts what the target verifies at the target's own cost; give it a "
+                "sparse cache: draft_cache streaming (StreamingLLM self-speculation) or budget")
         require(self.draft_cache == "full" or self.draft != "ngram",
                 f"draft_cache {self.draft_cache!r} needs a draft model; prompt lookup (ngram) has no cache")
 
@@ -206,13 +212,15 @@ class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
 
 
 def load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
-    """A draft made concrete: ``ngram`` -> None (prompt lookup), ``truncated:K`` -> the target's first K
+    """A draft made concrete: ``ngram`` -> None (prompt lookup), ``self`` -> the target, ``truncated:K`` -> the target's first K
     layers (shared weights), a BudgetDraft run folder -> its drafter, any other model source -> a loaded model; objects
     pass through. Models land on the target's device and dtype."""
     if not isinstance(draft, str):
         return draft
     if draft == "ngram":
         return None
+    if draft == SELF:
+        return target
     if draft.startswith("truncated:"):
         return truncated_draft(target, int(draft.removeprefix("truncated:")))
     if has_checkpoint(Path(draft)):

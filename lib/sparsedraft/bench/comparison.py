@@ -100,6 +100,12 @@ class CompareConfig:
         "help": "folder of a disk cache of prefilled prompts, e.g. data/cache/prefill (git-ignored); empty: off"})
     prefill_cache_gib: float = field(default=4.0, metadata={
         "help": "size cap of the prefill cache in GiB (least recently used entries go first)"})
+    batch: int = field(default=1, metadata={
+        "help": "sequences decoded together (lockstep, one forward per step): the prompts are the corpus windows "
+                "variant .. variant + batch - 1; tok/s is over the batch"})
+    max_memory: str = field(default="", metadata={
+        "help": "with --batch: refuse a batch whose caches and weights exceed this (e.g. 8GB); empty: the "
+                "machine's available memory"})
     # Methods compared with the baseline: names or (name, options) pairs; the CLI sets one from its flags.
     methods: tuple = field(default=(), metadata={"cli": False})
 
@@ -114,6 +120,7 @@ class CompareConfig:
                 f"warmup must be >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
         require(self.variant >= 0 and self.offset >= 0,
                 f"variant and offset must be >= 0, got {self.variant} and {self.offset}")
+        require(self.batch >= 1, f"batch must be >= 1 sequence, got {self.batch}")
         require(self.prefill_cache_gib > 0, f"prefill_cache_gib must be > 0, got {self.prefill_cache_gib}")
         require(isinstance(self.methods, (tuple, list)),
                 f"methods must be a tuple of names or (name, options) pairs, got {type(self.methods).__name__}")
@@ -172,6 +179,7 @@ class CompareResult:
     rows: list[MethodRow]  # baseline first, then the methods in config order
     prefill_s: float  # seconds of the one prefill every run started from (when computed, also if read from disk)
     prefill_loaded_from: str | None = None  # the disk cache file it was read from; None when computed here
+    peak_rss_gb: float = float("nan")  # the process's peak resident memory at the end (prefills included)
 
     def row(self, method: str) -> MethodRow:
         """The row named ``method`` (see :attr:`MethodRow.method`)."""
@@ -191,17 +199,20 @@ class CompareResult:
     def to_dict(self) -> dict[str, Any]:
         return {"bench": "compare", "config": self.config.to_dict(), "device": self.device,
                 "prompt_len": self.prompt_len, "prefill_s": self.prefill_s,
-                "prefill_loaded_from": self.prefill_loaded_from, "rows": self.records()}
+                "prefill_loaded_from": self.prefill_loaded_from, "peak_rss_gb": self.peak_rss_gb,
+                "rows": self.records()}
 
     def table(self) -> str:
         c = self.config
         quant = "" if c.quant == "none" else f" {c.quant}"
         law = "greedy" if c.sampling.greedy else f"temperature {c.temperature}, top_p {c.top_p}"
+        batch = f"batch {c.batch} x " if c.batch > 1 else ""
         head = (f"compare: {', '.join(r.method for r in self.rows[1:]) or 'baseline only'} vs {BASELINE}, "
-                f"{c.model} {c.dtype}{quant} on {self.device}, prompt {self.prompt_len} tokens, {c.new_tokens} "
-                f"new ({law}), median of {c.repeats}\n")
+                f"{c.model} {c.dtype}{quant} on {self.device}, {batch}prompt {self.prompt_len} tokens, "
+                f"{c.new_tokens} new ({law}), median of {c.repeats}, peak RSS {self.peak_rss_gb:.2f} GB\n")
         where = f"read from {self.prefill_loaded_from}" if self.prefill_loaded_from else "computed here"
-        head += f"one prefill for every run: {self.prefill_s:.3f} s ({where}); prefill s = that + setup s\n"
+        one = "one prefill per row" if c.batch > 1 else "one prefill"
+        head += f"{one} for every run: {self.prefill_s:.3f} s ({where}); prefill s = that + setup s\n"
         cells = [[r.method, f"{r.prefill_s:.3f}", f"{r.setup_s:.3f}", f"{r.ms_per_token:.2f}",
                   f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x", f"{r.end_to_end:.2f}x",
                   "-" if r.tokens_per_iteration is None else f"{r.tokens_per_iteration:.2f}",
@@ -225,9 +236,16 @@ def _row(label: str, runs: list[DecodeResult], baseline: list[DecodeResult], che
     base_total = statistics.median(r.total_s for r in baseline)
     common = dict(method=label, prefill_s=statistics.median(r.prefill_s for r in runs),
                   setup_s=statistics.median(r.setup_s for r in runs), ms_per_token=ms,
-                  tokens_per_s=1000 / ms, speedup=base_ms / ms, end_to_end=base_total / total, tokens_match=match,
+                  tokens_per_s=runs[0].tokens.shape[0] * 1000 / ms, speedup=base_ms / ms, end_to_end=base_total / total, tokens_match=match,
                   options={k: _plain(v) for k, v in options.items()})
-    median = median_run(runs, key=lambda r: r.decode_s).stats
+    run = median_run(runs, key=lambda r: r.decode_s)
+    if run.rows is not None and run.levels:  # a batch: every row's counts added up, regions of its slowest row
+        slowest = max(run.rows, key=lambda r: r.decode_s).stats
+        median = dataclasses.replace(slowest, levels=run.levels, generated=sum(r.stats.generated for r in run.rows),
+                                     target_forwards=sum(r.stats.target_forwards for r in run.rows),
+                                     rebuilds=sum(r.stats.rebuilds for r in run.rows))
+    else:
+        median = run.stats
     if median is None:
         return MethodRow(**common)
     levels = median.levels
@@ -269,11 +287,18 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     target = target if target is not None else weights.load_model(config.model, DTYPES[config.dtype], device)
     if config.quant == "int8":  # before any draft is cut from it: baseline, methods and truncated drafts share it
         quantize_int8(target)
-    prompt = bench_prompt(config.model, config.context, config.split, config.variant, config.offset).to(device)
-    prefilled = prefill_prompt(target, prompt, store=store, warmup=config.warmup > 0)
+    prompts = [bench_prompt(config.model, config.context, config.split, config.variant + b, config.offset).to(device)
+               for b in range(config.batch)]
+    prefills = [prefill_prompt(target, p, store=store, warmup=config.warmup > 0 and b == 0)
+                for b, p in enumerate(prompts)]
+    if config.batch == 1:
+        prompt, prefilled, batch = prompts[0], prefills[0], {}
+    else:
+        prompt, prefilled = [p[0] for p in prompts], prefills
+        batch = {"max_memory": config.max_memory or None}
     drafts: dict[str, Any] = {}
     runners = {BASELINE: lambda: decode(target, prompt, BASELINE, config.new_tokens, sampling=config.sampling,
-                                        prefilled=prefilled)}
+                                        prefilled=prefilled, **batch)}
     labels = config.labels(config.methods)
     for label, (name, _), opts in zip(labels, config.methods, options):
         values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
@@ -284,9 +309,19 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
             values["draft"] = drafts[draft]
         runners[label] = (lambda name=name, values=values:
                           decode(target, prompt, name, config.new_tokens, sampling=config.sampling,
-                                 prefilled=prefilled, **values))
+                                 prefilled=prefilled, **batch, **values))
     runs = interleaved_runs(runners, config.warmup, config.repeats, progress)
     given = {BASELINE: {}, **{label: opts for label, (_, opts) in zip(labels, config.methods)}}
     rows = [_row(label, runs[label], runs[BASELINE], config.sampling.greedy, given[label]) for label in runners]
-    return CompareResult(config, device_name(device), prompt.shape[1], rows, prefilled.seconds,
-                         prefilled.loaded_from)
+    loaded = {p.loaded_from for p in prefills}
+    return CompareResult(config, device_name(device), prompts[0].shape[1], rows, sum(p.seconds for p in prefills),
+                         prefills[0].loaded_from if len(loaded) == 1 else ", ".join(sorted(map(str, loaded))),
+                         peak_rss_gb())
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * (1 if sys.platform == "darwin" else 1024) / 1e9

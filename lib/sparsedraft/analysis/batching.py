@@ -1,0 +1,60 @@
+"""Why batching moves speculative speedups: the roofline of one step over a batch of long sequences.
+
+A decode step over a batch of ``B`` sequences reads the weights once and every
+sequence's KV cache: ``W + B * KV(context)`` bytes. As ``B`` grows the KV
+share of those bytes grows (MagicDec's point: the KV cache becomes the
+bottleneck, so a sparse-KV draft saves more), while a ``k``-token verification
+does ``B * k`` tokens of work, whose attention is compute-bound beyond the
+machine's ridge point (TriForce's Table 4: the verifier's cost climbs with
+the batch). :func:`batch_roofline` tabulates both per step;
+:func:`selfspec_ceiling` turns them into the speedup a self-speculating
+sparse cache could reach at a given acceptance.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import pandas as pd
+
+from ..config import ModelConfig
+from ..errors import require
+from ..roofline import attention_flops, kv_bytes, weight_bytes, weight_flops
+
+
+def step_ms(cfg: ModelConfig, context: int, batch: int, tokens: int, dtype_bytes: int, bandwidth: float,
+            peak_flops: float) -> float:
+    """Roofline milliseconds of one ``tokens``-token forward of ``batch`` sequences over ``context`` cached
+    tokens each: the larger of reading weights once plus every cache, and the step's FLOPs at peak."""
+    read = weight_bytes(cfg, dtype_bytes) + batch * kv_bytes(cfg, context, dtype_bytes)
+    work = batch * tokens * (weight_flops(cfg) + attention_flops(cfg, context))
+    return 1000 * max(read / bandwidth, work / peak_flops)
+
+
+def batch_roofline(cfg: ModelConfig, contexts: Iterable[int], batches: Iterable[int], tokens: int,
+                   dtype_bytes: int, bandwidth: float, peak_flops: float) -> pd.DataFrame:
+    """Per (context, batch): bytes of one decode step, the KV share of them, the roofline ms of a decode step
+    and of a ``tokens``-token verification, and their ratio (what one verification costs in decode steps)."""
+    require(tokens >= 1, f"tokens must be >= 1, got {tokens}")
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            require(batch >= 1 and context >= 1, f"batch and context must be >= 1, got {batch}, {context}")
+            w, kv = weight_bytes(cfg, dtype_bytes), batch * kv_bytes(cfg, context, dtype_bytes)
+            decode = step_ms(cfg, context, batch, 1, dtype_bytes, bandwidth, peak_flops)
+            verify = step_ms(cfg, context, batch, tokens, dtype_bytes, bandwidth, peak_flops)
+            rows.append({"context": context, "batch": batch, "weight_gb": w / 1e9, "kv_gb": kv / 1e9,
+                         "kv_share": kv / (w + kv), "decode_ms": decode, "verify_ms": verify, "tokens": tokens,
+                         "verify_over_decode": verify / decode})
+    return pd.DataFrame(rows)
+
+
+def selfspec_ceiling(cfg: ModelConfig, context: int, batch: int, budget: int, gamma: int, accepted: float,
+                     dtype_bytes: int, bandwidth: float, peak_flops: float) -> float:
+    """Roofline speedup of the target drafting ``gamma`` tokens over a ``budget``-token cache and verifying
+    them over its full cache, keeping ``accepted`` drafts per round on average, against plain decoding."""
+    require(0 <= accepted <= gamma, f"accepted must be in [0, gamma={gamma}], got {accepted}")
+    decode = step_ms(cfg, context, batch, 1, dtype_bytes, bandwidth, peak_flops)
+    draft = step_ms(cfg, budget, batch, 1, dtype_bytes, bandwidth, peak_flops)
+    verify = step_ms(cfg, context, batch, gamma + 1, dtype_bytes, bandwidth, peak_flops)
+    return (accepted + 1) * decode / (gamma * draft + verify)
