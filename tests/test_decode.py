@@ -97,9 +97,10 @@ def test_text_needs_a_tokenizer_when_the_model_was_not_loaded_by_name():
         decode(tiny_model("llama"), "hello there", "ar", 2)
 
 
-def test_speculative_methods_refuse_a_batch(model):
-    with pytest.raises(SparsedraftError, match="batch 1"):
-        decode(model, [TEXT, TEXT], "retrieval", 4, budget=64)
+def test_speculative_methods_take_a_batch_row_by_row(model):
+    result = decode(model, [TEXT, TEXT], "retrieval", 4, budget=64)  # each row its batch-1 run (test_batch.py)
+    assert torch.equal(result.tokens[0], decode(model, TEXT, "ar", 4).tokens[0])
+    assert torch.equal(result.tokens[0], result.tokens[1]) and len(result.rows) == 2
 
 
 def test_front_door_exports_decode():

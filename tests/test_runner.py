@@ -330,7 +330,7 @@ def test_report_writes_tables_and_figures(tmp_path):
 def test_shipped_paper_results_table():
     paper = report.paper_results(REPO / "data" / "paper_results.csv")
     assert set(report.PAPER_COLUMNS) <= set(paper.columns)
-    assert set(paper.paper) == {"TriForce", "BudgetDraft"}
+    assert set(paper.paper) == {"TriForce", "BudgetDraft", "MagicDec"}
     assert report.paper_row(paper, "triforce.table2.speedup")["value"] == pytest.approx(2.31)
     with pytest.raises(SparsedraftError, match="no paper result"):
         report.paper_row(paper, "nope")
@@ -339,7 +339,7 @@ def test_shipped_paper_results_table():
 def test_shipped_profiles_plan_against_the_shipped_notebooks():
     for profile in ("cpu", "quick", "gpu-paper"):
         runs = plan(RunConfig(profile=profile, notebooks_dir=REPO / "notebooks", outputs_dir=REPO / "outputs"))
-        assert [r.name[:2] for r in runs] == ["01", "02", "03", "04", "05", "06", "07", "08"]
+        assert [r.name[:2] for r in runs] == ["01", "02", "03", "04", "05", "06", "07", "08", "09"]
 
 
 def test_the_shipped_sweep_profile_expands_its_grid():

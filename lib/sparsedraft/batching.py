@@ -14,7 +14,7 @@ for token; sampled: with seed ``seed + b``).
 Before any prefill, :func:`batch_bytes` adds up what the batch will hold (the
 weights, every row's full cache, draft caches and shared prefills) and
 :func:`check_memory` refuses a batch over ``max_memory`` (default: the memory
-the machine has available), naming the ways to fit.
+free where the caches live: the GPU's on CUDA, else the machine's), naming the ways to fit.
 """
 
 from __future__ import annotations
@@ -44,10 +44,7 @@ def prompt_rows(prompt: Any, tokenizer: Any, attention_mask: torch.Tensor | None
         require(prompt.dim() == 2, f"a batch tensor is [batch, tokens], got {prompt.dim()}-D; pass a list of prompts")
         ids = prompt.long().cpu()
         if attention_mask is None:
-            pad = getattr(tokenizer, "pad_token_id", None)
-            require(pad is None or ids.shape[0] == 1 or not bool((ids[:, [0, -1]] == pad).any()),
-                    f"the batch tensor has rows that begin or end with the pad token ({pad}) but no attention_mask: "
-                    "pass attention_mask= (1 real, 0 padding) or the prompts as a list, each of its own length")
+            check_unpadded(ids, tokenizer)
             return list(ids)
         mask = torch.as_tensor(attention_mask).cpu()
         require(tuple(mask.shape) == tuple(ids.shape),
@@ -75,6 +72,15 @@ def prompt_rows(prompt: Any, tokenizer: Any, attention_mask: torch.Tensor | None
     return rows
 
 
+def check_unpadded(ids: torch.Tensor, tokenizer: Any) -> None:
+    """Refuse a ``[B > 1, T]`` tensor whose rows begin or end with the tokenizer's pad id: padding without an
+    ``attention_mask`` would be read as text."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    require(pad is None or ids.dim() != 2 or ids.shape[0] == 1 or not bool((ids[:, [0, -1]] == pad).any()),
+            f"the batch tensor has rows that begin or end with the pad token ({pad}) but no attention_mask: "
+            "pass attention_mask= (1 real, 0 padding) or the prompts as a list, each of its own length")
+
+
 def parse_bytes(value: int | float | str) -> int:
     """``8e9``, ``"8GB"``, ``"7.5 GiB"`` -> bytes."""
     if isinstance(value, (int, float)):
@@ -85,8 +91,12 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
+def available_bytes(device: torch.device | str = "cpu") -> int | None:
+    """Free memory where the caches will live: the GPU's free memory on CUDA, else MemAvailable from
+    /proc/meminfo (None where neither is known)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
     try:
         for line in open("/proc/meminfo"):
             if line.startswith("MemAvailable:"):
@@ -123,9 +133,10 @@ def batch_bytes(model: Transformer, draft: Any, lengths: Sequence[int], n: int, 
     return parts
 
 
-def check_memory(parts: dict[str, int], max_memory: int | float | str | None) -> None:
-    """Refuse a batch whose parts exceed ``max_memory`` (default: the machine's available memory)."""
-    limit = parse_bytes(max_memory) if max_memory is not None else available_bytes()
+def check_memory(parts: dict[str, int], max_memory: int | float | str | None,
+                 device: torch.device | str = "cpu") -> None:
+    """Refuse a batch whose parts exceed ``max_memory`` (default: the free memory of ``device``)."""
+    limit = parse_bytes(max_memory) if max_memory is not None else available_bytes(device)
     total = sum(parts.values())
     if limit is None:
         return

@@ -101,8 +101,8 @@ def prompt_ids(prompt: Prompt, tokenizer: Tokenizer | None) -> torch.Tensor:
     require(tokenizer is not None, "a text prompt needs a tokenizer: pass tokenizer=, or load the model by name")
     rows = [tokenizer.encode(text) for text in texts]
     lengths = sorted({len(r) for r in rows})
-    require(len(lengths) == 1, f"the texts tokenize to different lengths {lengths}; batch prompts must be equally "
-                               "long (decode them one at a time)")
+    require(len(lengths) == 1, f"the texts tokenize to different lengths {lengths}; one [batch, tokens] tensor "
+                               "cannot hold them: pass them to decode as a list (each row keeps its length)")
     return torch.tensor(rows, dtype=torch.long)
 
 
@@ -138,7 +138,9 @@ def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_token
     batch 1 in lockstep, one forward per step for all rows
     (:mod:`sparsedraft.batching`); ``prefilled`` is then one prefill per row,
     ``max_memory`` caps what the batch may hold (default: the available memory),
-    and the result's ``rows`` hold each row's own result.
+    and the result's ``rows`` hold each row's own result. Plain decoding of a
+    ``[B, T]`` tensor (rows of one length) keeps one batched cache instead, so
+    a batched ``prefill_prompt`` of it can seed the run; its rows are the same.
     """
     opts = method_options(method, **options)
     shortcuts = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("seed", seed)) if v is not None}
@@ -147,7 +149,12 @@ def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_token
     texts = isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], str))
     if tokenizer is None and texts:
         tokenizer = tokenizer_for(model)
-    if is_batch(prompt, attention_mask):
+    if isinstance(prompt, torch.Tensor) and attention_mask is None:
+        from .batching import check_unpadded
+        check_unpadded(prompt, tokenizer)
+    native = method == "ar" and isinstance(prompt, torch.Tensor) and attention_mask is None and (
+        prefilled is None or isinstance(prefilled, PrefilledPrompt))  # equal rows, one batched cache (and prefill)
+    if is_batch(prompt, attention_mask) and not native:
         from .batching import prompt_rows
         return _decode_batch(model, prompt_rows(prompt, tokenizer, attention_mask), method, max_new_tokens,
                              sampling, opts, tokenizer, eos_token_id, prefilled, max_memory)
@@ -196,7 +203,7 @@ def _decode_batch(model: Transformer, rows: list[torch.Tensor], method: str, max
     require(draft is None or isinstance(draft, Transformer),
             "a Drafter object follows one sequence; for a batch pass the draft as a model or a source string")
     check_memory(batch_bytes(model, draft, [row.numel() for row in rows], max_new_tokens, method, opts,
-                             prefilled is not None), max_memory)
+                             prefilled is not None), max_memory, model.device)
     run = run_batch(model, rows, method, max_new_tokens, sampling, opts, eos, prefilled, draft)
     results = [_result(method, outcome, row.numel(), tokenizer, prefilled[b].seconds if prefilled else 0.0)
                for b, (outcome, row) in enumerate(zip(run.outcomes, rows))]

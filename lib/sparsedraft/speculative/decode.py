@@ -15,8 +15,10 @@ last prompt token (``rollback(1)``): every round feeds ``[pending,
 drafts...]``, so the first generated token is verified like every other.
 Given a :class:`~sparsedraft.prefilled.PrefilledPrompt`, the target starts
 from a copy of its cache, logits and queries instead of a prompt forward, and
-the drafters start from that copy (the prefill is never written). Batch size
-is 1: acceptance lengths differ per sequence.
+the drafters start from that copy (the prefill is never written). A run holds
+one sequence, since acceptance lengths differ per sequence; a batch runs one
+such run per row in lockstep (:mod:`sparsedraft.lockstep`, through
+:func:`sparsedraft.decode` with a list of prompts).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def check_run(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_n
     """Every check that can fail before the prefill."""
     require(gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {gamma}")
     check_prompt(target, prompt, max_new_tokens)
-    require(prompt.shape[0] == 1, f"speculative decoding runs one sequence (batch 1), got batch {prompt.shape[0]}; "
-                                  "loop over the prompts")
+    require(prompt.shape[0] == 1, f"a speculative run holds one sequence, got batch {prompt.shape[0]}; pass the "
+                                  "prompts to sparsedraft.decode as a list (its rows run in lockstep)")
     require(drafter.vocab_size == target.cfg.vocab_size,
             f"the drafter's vocabulary has {drafter.vocab_size} tokens but the target's has "
             f"{target.cfg.vocab_size}; the draft must use the target's tokenizer")
