@@ -19,10 +19,11 @@ from table_models import always_accept, chi_square_pvalue
 from sparsedraft import decode, kernels, load_model
 from sparsedraft.bench.comparison import CompareConfig, compare
 from sparsedraft.cache import RowCaches, StaticCache
+from sparsedraft.caches import RetrievalCache, StreamingCache
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.generate import prefill
 from sparsedraft.lockstep import run_rows
-from sparsedraft.model import Transformer
+from sparsedraft.model import Capture, Transformer
 from sparsedraft.sampling import SamplingConfig, probabilities
 from sparsedraft.speculative import NgramDrafter, retrieval, standard_acceptance, triforce
 from sparsedraft.tiny import tiny_model
@@ -82,6 +83,43 @@ def test_one_row_caches_forward_gives_every_row_its_batch1_logits():
         assert rows[b].length == lengths[b] + steps[b]
 
 
+def test_one_forward_mixes_cache_kinds_row_by_row():
+    """A full cache, a StreamingLLM cache and a retrieval view in one forward: each row as at batch 1."""
+    model = tiny_model("llama")
+    cfg, layers = model.cfg, set(range(model.cfg.num_layers))
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 40), generator=gen)
+
+    def kinds():
+        full = model.new_cache(64)
+        capture = Capture(layers=layers)
+        prefill(model, full, prompt, capture=capture)
+        streaming = StreamingCache(cfg, sink=4, window=16, spec_slots=8)
+        prefill(model, streaming, prompt[:, :33])
+        view = RetrievalCache(cfg, budget=16, chunk_size=4, spec_slots=8)
+        view.build(full, {layer: q[:, :, -1] for layer, q in capture.queries.items()})
+        return [full, streaming, view]
+
+    steps = [2, 1, 3]
+    feeds = [torch.randint(0, cfg.vocab_size, (1, t), generator=gen) for t in steps]
+    with torch.inference_mode():
+        alone = [model(feed, cache=cache)[0] for feed, cache in zip(feeds, kinds())]
+        rows = kinds()
+        t = max(steps)
+        tokens, positions = torch.zeros(3, t, dtype=torch.long), torch.zeros(3, t, dtype=torch.long)
+        for b, (feed, cache) in enumerate(zip(feeds, rows)):
+            tokens[b, t - steps[b]:] = feed[0]
+            positions[b, t - steps[b]:] = torch.arange(cache.length, cache.length + steps[b])
+        logits = model(tokens, positions, RowCaches(rows, steps))
+    for b in range(3):
+        if kernels.available():
+            assert torch.equal(logits[b, t - steps[b]:], alone[b]), b
+        else:
+            torch.testing.assert_close(logits[b, t - steps[b]:], alone[b])
+    rows[0].rollback(1)  # per-row rollback is each row's own cache's
+    assert [rows[0].length, rows[1].length, rows[2].spec] == [41, 34, 3]
+
+
 def test_batched_plain_decoding_equals_batch1(model, plain):
     result = decode(model, TEXTS, "ar", 40)
     assert result.tokens.shape == (3, 40)
@@ -91,13 +129,22 @@ def test_batched_plain_decoding_equals_batch1(model, plain):
     assert result.lockstep.mean_rows == 3  # every decode step ran the three rows in one forward
 
 
-@pytest.mark.parametrize("method", sorted(OPTIONS))
+STREAMING = {  # StreamingLLM in a batch: the target drafting for itself (MagicDec), TriForce's level 1
+    "retrieval-recent": ("retrieval", {"budget": 64, "gamma": 3, "group_reduce": "recent"}),
+    "spec-self-streaming": ("spec", {"draft": "self", "draft_cache": "streaming", "sink": 4, "window": 32, "gamma": 3}),
+    "triforce-streaming": ("triforce", {"draft": "truncated:1", "budget": 64, "gamma1": 2, "gamma2": 4, "sink": 4,
+                                        "window": 32}),
+}
+
+
+@pytest.mark.parametrize("method", sorted(OPTIONS) + sorted(STREAMING))
 def test_batched_greedy_equals_each_rows_plain_greedy(model, plain, method):
-    result = decode(model, TEXTS, method, 40, **OPTIONS[method])
+    name, options = STREAMING.get(method, (method, OPTIONS.get(method)))
+    result = decode(model, TEXTS, name, 40, **options)
     for b in range(3):
         assert torch.equal(result.tokens[b], plain[b]), (method, b)
     assert result.lockstep.mean_rows > 1  # forwards were shared, not run row after row
-    if method != "ar":
+    if name != "ar":
         assert result.levels and sum(lvl.drafted for lvl in result.levels) == sum(
             lvl.drafted for r in result.rows for lvl in r.levels)
 
@@ -229,3 +276,9 @@ def test_bench_batch_reports_throughput_over_the_batch():
     assert method.tokens_match is True
     assert ar.tokens_per_s == pytest.approx(3 * 1000 / ar.ms_per_token)
     assert method.acceptance and result.peak_rss_gb > 0
+
+
+def test_bench_refuses_a_batch_over_the_memory_cap_before_any_prefill(no_forward):
+    with pytest.raises(SparsedraftError, match="needs about"):
+        compare(CompareConfig(model="tiny-llama", context=200, new_tokens=8, batch=3, warmup=0, max_memory="10KB",
+                              methods=(("retrieval", {"budget": 64, "gamma": 3}),)))

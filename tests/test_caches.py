@@ -246,6 +246,17 @@ def test_chunk_selection_equals_naive_loop(family, reduce):
     assert view.length == 45 and view.builds == 1 and view.scanned_tokens == 45
 
 
+def test_recent_selection_is_sinks_plus_the_latest_chunks():
+    """group_reduce="recent": StreamingLLM (the sink chunk and a recent window) as a view of the full cache."""
+    cfg = tiny_model("llama").cfg
+    full = random_full_cache(cfg, length=45)  # 11 complete chunks of 4 + 1 token
+    view = RetrievalCache(cfg, budget=16, chunk_size=4, spec_slots=4, batch=BATCH, group_reduce="recent")
+    view.build(full, random_queries(cfg))
+    for layer in range(cfg.num_layers):
+        assert view.chosen[layer].tolist() == [[[0, 10, 9, 8]] * cfg.num_kv_heads] * BATCH
+        assert torch.equal(view.k[layer][:, :, 4:8], full.k[layer][:, :, 40:44])  # the newest complete chunk
+
+
 def test_sync_writes_new_tokens_over_the_least_important_slots():
     cfg = tiny_model("llama").cfg
     budget, chunk = 12, 4

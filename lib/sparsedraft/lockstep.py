@@ -31,8 +31,9 @@ calling thread, inside ``torch.inference_mode``.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -63,6 +64,7 @@ class LockstepStats:
     batched_rows: int = 0  # rows over all batched forwards
     solo: int = 0  # forwards run one row at a time (prefill chunks, a lone row)
     padded_tokens: int = 0  # padding positions the batched forwards carried
+    forward_s: float = 0.0  # seconds the main thread spent running forwards (the rest: rows' own work, waits)
     per_model: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -106,8 +108,10 @@ class Lockstep:
                 if self.live == 0:
                     return
                 calls, self.waiting = self.waiting, []
+            t0 = time.perf_counter()
             with torch.inference_mode():
                 self._run(calls)
+            self.stats.forward_s += time.perf_counter() - t0
             with self.cv:
                 for call in calls:
                     call.done = True
@@ -224,13 +228,3 @@ def run_rows(job: Callable[[int, Callable[[Transformer], Transformer]], Any], ro
         if exc is not None:
             raise exc
     return results, lockstep.stats
-
-
-def unwrap(model: Any) -> Any:
-    """The model behind a :class:`RowModel` (anything else as it is)."""
-    return model._model if type(model) is RowModel else model
-
-
-def row_models(models: Sequence[Transformer], wrap: Callable[[Transformer], Transformer]) -> list[Transformer]:
-    """``wrap`` each model (None and non-models pass through)."""
-    return [wrap(m) if isinstance(m, torch.nn.Module) else m for m in models]

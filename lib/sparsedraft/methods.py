@@ -35,7 +35,7 @@ from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retri
                           truncated_draft)
 
 DRAFT_CACHES = ("full", "streaming", "budget")
-SELF = "self"  # the target drafts for itself (with draft_cache streaming: MagicDec's StreamingLLM self-speculation)
+SELF = "self"  # the target drafts for itself over a sparse cache of its own (prefilled through it)
 
 
 def _check_draft(draft: Any) -> None:
@@ -105,8 +105,8 @@ class SpecOptions(StreamingDraftOptions):
     """A draft proposes ``gamma`` tokens per full-target verification."""
 
     draft: str = field(default="ngram", metadata={
-        "help": "ngram (prompt lookup), self (the target itself: with --draft-cache streaming, StreamingLLM "
-                "self-speculation), truncated:K (the target's first K layers), a model source, or a BudgetDraft "
+        "help": "ngram (prompt lookup), self (the target itself over a sparse draft cache it prefills; "
+                "retrieval --group-reduce recent gets StreamingLLM self-speculation by a copy instead), truncated:K (the target's first K layers), a model source, or a BudgetDraft "
                 "run folder; from Python also a Transformer or Drafter"})
     draft_cache: str = field(default="full", metadata={
         "help": "the draft model's cache: full, streaming (sink + window) or budget (BudgetDraft, --budget tokens)",
@@ -164,7 +164,10 @@ class RetrievalCacheOptions:
     budget: int = field(default=1024, metadata={"help": "retrieval cache tokens (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "retrieval chunk size in tokens"})
     rebuild: str = field(default="never", metadata={"help": "retrieval rebuild policy: never, every:N, accept<T[:W]"})
-    group_reduce: str = field(default="sum", metadata={"help": "GQA chunk scoring over a KV head's query group",
+    group_reduce: str = field(default="sum", metadata={"help": "how chunks are chosen: sum or max of a KV head's "
+                                                               "query-group scores, or recent (no query: the sink "
+                                                               "chunk and the latest chunks, StreamingLLM as a view "
+                                                               "of the full cache: MagicDec's self-speculation)",
                                                        "choices": GROUP_REDUCTIONS})
 
     def __post_init__(self) -> None:

@@ -37,6 +37,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import weights
+from ..batching import batch_bytes, check_memory
 from ..data import SPLITS, bench_prompt
 from ..decoding import DecodeResult, decode
 from ..errors import require
@@ -287,6 +288,11 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     target = target if target is not None else weights.load_model(config.model, DTYPES[config.dtype], device)
     if config.quant == "int8":  # before any draft is cut from it: baseline, methods and truncated drafts share it
         quantize_int8(target)
+    if config.batch > 1:  # refuse a batch that cannot fit before any prefill (decode checks again, with drafts)
+        for (name, _), opts in zip(config.methods, options):
+            draft = target if getattr(opts, "draft", None) == "self" else None  # a loaded draft is checked by decode
+            check_memory(batch_bytes(target, draft, [config.context] * config.batch, config.new_tokens, name, opts,
+                                     prefilled=True), config.max_memory or None, target.device)
     prompts = [bench_prompt(config.model, config.context, config.split, config.variant + b, config.offset).to(device)
                for b in range(config.batch)]
     prefills = [prefill_prompt(target, p, store=store, warmup=config.warmup > 0 and b == 0)

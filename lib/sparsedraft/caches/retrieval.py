@@ -9,7 +9,10 @@ by rank. Chunk 0 is always kept: it holds the attention sinks.
 
 GQA: the query heads of a KV head's group each score the chunk; the KV head's
 score is their ``group_reduce`` ("sum": the group's total attention logit mass,
-"max": keep a chunk any head wants).
+"max": keep a chunk any head wants). ``group_reduce="recent"`` scores no query:
+it keeps the sink chunk and the latest chunks, StreamingLLM's sinks + window
+as a view of the full cache (MagicDec's self-speculation draft), built by a
+copy instead of a second prefill.
 
 Recent tokens -- the partial chunk at the end of the context at build time
 and every token committed afterwards -- are always kept: they are written
@@ -51,7 +54,7 @@ from ..cache import CAUSAL, Causal, KVCache, StaticCache, in_order
 from ..config import ModelConfig
 from ..errors import require
 
-GROUP_REDUCTIONS = ("sum", "max")
+GROUP_REDUCTIONS = ("sum", "max", "recent")
 
 
 class RetrievalCache(KVCache):
@@ -170,10 +173,14 @@ class RetrievalCache(KVCache):
         b, kv, n, d = keys.shape
         if kept == 0:
             return torch.zeros(b, kv, 0, dtype=torch.long, device=keys.device)
-        means = keys.float().reshape(b, kv, n // self.chunk_size, self.chunk_size, d).mean(3)
-        grouped = query.float().reshape(b, kv, self.cfg.group_size, d)
-        scores = grouped @ means.transpose(-1, -2)  # [B, kv_heads, group, chunks]
-        scores = scores.sum(2) if self.group_reduce == "sum" else scores.amax(2)
+        chunks = n // self.chunk_size
+        if self.group_reduce == "recent":  # no query: the latest chunks rank first
+            scores = torch.arange(chunks, dtype=torch.float32, device=keys.device).expand(b, kv, chunks).clone()
+        else:
+            means = keys.float().reshape(b, kv, chunks, self.chunk_size, d).mean(3)
+            grouped = query.float().reshape(b, kv, self.cfg.group_size, d)
+            scores = grouped @ means.transpose(-1, -2)  # [B, kv_heads, group, chunks]
+            scores = scores.sum(2) if self.group_reduce == "sum" else scores.amax(2)
         scores[..., 0] = float("inf")  # the sink chunk always stays
         return scores.topk(kept, dim=-1).indices
 
