@@ -134,3 +134,21 @@ def test_a_file_as_the_cache_folder_is_refused_before_the_model_loads(tmp_path, 
     with pytest.raises(SparsedraftError, match="is a file; give a folder"):
         compare(CompareConfig(model="tiny-llama", device="cpu", context=200, new_tokens=4,
                               prefill_cache=str(tmp_path / "file")))
+
+
+def test_a_prefill_left_on_disk_seeds_runs_like_one_in_memory(tmp_path):
+    """on_disk: the cache stays in the verified file and is read when a run starts; a changed file is refused."""
+    from sparsedraft import decode
+    from sparsedraft.prefill_store import StoredCache
+    model = tiny_model("llama")
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    store = PrefillStore(tmp_path)
+    kept = prefill_prompt(model, prompt, store=store)
+    lazy = prefill_prompt(model, prompt, store=store, on_disk=True)
+    assert isinstance(lazy.cache, StoredCache) and lazy.cache.length == 40
+    for method, options in (("ar", {}), ("retrieval", {"budget": 16, "chunk_size": 4, "gamma": 2})):
+        want = decode(model, prompt, method, 8, prefilled=kept, **options).tokens
+        assert torch.equal(decode(model, prompt, method, 8, prefilled=lazy, **options).tokens, want)
+    lazy.cache.path.write_bytes(lazy.cache.path.read_bytes() + b"\0")
+    with pytest.raises(SparsedraftError, match="changed or went away"):
+        decode(model, prompt, "ar", 8, prefilled=lazy)

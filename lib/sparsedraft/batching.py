@@ -113,7 +113,8 @@ def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
 
 def batch_bytes(model: Transformer, draft: Any, lengths: Sequence[int], n: int, method: str, opts: Any,
                 prefilled: bool) -> dict[str, int]:
-    """What a batch holds, by part: weights, full caches, draft caches, shared prefills (bytes)."""
+    """What a batch holds, by part: weights, full caches, draft caches and, when ``prefilled`` (shared
+    prefills held in memory, not left in a store's files), those prefills (bytes)."""
     cfg, dtype = model.cfg, model.dtype
     parts = {"weights": sum(p.numel() * p.element_size() for p in model.parameters()),
              "full caches": sum(kv_bytes(cfg, length + n, dtype) for length in lengths),

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .cache import StaticCache
 from .data import Tokenizer, model_tokenizer
 from .errors import require
 from .generate import GenerationResult, check_prompt
@@ -202,8 +203,9 @@ def _decode_batch(model: Transformer, rows: list[torch.Tensor], method: str, max
     draft = load_draft(opts.draft, model) if hasattr(opts, "draft") else None  # once, shared by the rows
     require(draft is None or isinstance(draft, Transformer),
             "a Drafter object follows one sequence; for a batch pass the draft as a model or a source string")
-    check_memory(batch_bytes(model, draft, [row.numel() for row in rows], max_new_tokens, method, opts,
-                             prefilled is not None), max_memory, model.device)
+    held = prefilled is not None and any(isinstance(p.cache, StaticCache) for p in prefilled)  # not on disk
+    check_memory(batch_bytes(model, draft, [row.numel() for row in rows], max_new_tokens, method, opts, held),
+                 max_memory, model.device)
     run = run_batch(model, rows, method, max_new_tokens, sampling, opts, eos, prefilled, draft)
     results = [_result(method, outcome, row.numel(), tokenizer, prefilled[b].seconds if prefilled else 0.0)
                for b, (outcome, row) in enumerate(zip(run.outcomes, rows))]

@@ -136,7 +136,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int,
     if prefilled is None:
         logits = prefill(model, cache, prompt)
     else:
-        cache.load_state(prefilled.cache.state())
+        prefilled.seed(cache)
         logits = prefilled.logits.clone()
     synchronize(model.device)
     t1 = time.perf_counter()

@@ -30,6 +30,7 @@ calling thread, inside ``torch.inference_mode``.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -224,7 +225,22 @@ def run_rows(job: Callable[[int, Callable[[Transformer], Transformer]], Any], ro
     lockstep.serve()
     for thread in threads:
         thread.join()
+    release_freed_memory()
     for exc in errors:
         if exc is not None:
             raise exc
     return results, lockstep.stats
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Each row's thread allocates its caches from a glibc arena of its own, and
+    glibc keeps what a thread freed in that arena: without a trim, every
+    batch leaves its caches' size in resident memory for the next one to add to.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    libc.malloc_trim(0)

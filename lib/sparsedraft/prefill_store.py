@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -64,24 +65,29 @@ class PrefillStore:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         return self.root / f"{digest[:32]}{SUFFIX}"
 
-    def load(self, model: Transformer, prompt: torch.Tensor | Sequence[int]) -> PrefilledPrompt | None:
+    def load(self, model: Transformer, prompt: torch.Tensor | Sequence[int],
+             on_disk: bool = False) -> PrefilledPrompt | None:
         """``model``'s prefill of ``prompt`` if stored and intact; None otherwise (a damaged entry is
-        deleted with a warning, so the caller computes it again)."""
+        deleted with a warning, so the caller computes it again). ``on_disk`` keeps its cache in the file
+        (:class:`StoredCache`): a decoder reads it when it starts, so a batch holds no second copy of its
+        caches in memory."""
         tokens = as_prompt(prompt)
         key = entry_key(model_identity(model), tokens)
         path = self.path(key)
         if not path.is_file():
             return None
         try:
-            found = self._read(path, key, model)
+            found = self._read(path, key, model, on_disk)
         except SparsedraftError as exc:
             warnings.warn(f"prefill cache: {exc}; deleted it, prefilling again", stacklevel=2)
             path.unlink(missing_ok=True)
             return None
         os.utime(path)  # a hit is a use: least recently used entries are evicted first
+        if isinstance(found.cache, StoredCache):
+            found.cache.stamp()  # as the file is now, touched
         return found
 
-    def _read(self, path: Path, key: dict[str, Any], model: Transformer) -> PrefilledPrompt:
+    def _read(self, path: Path, key: dict[str, Any], model: Transformer, on_disk: bool = False) -> PrefilledPrompt:
         start = time.perf_counter()
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -98,12 +104,17 @@ class PrefillStore:
         require(meta.get("checksum") == tensor_digest(sorted(tensors.items())),
                 f"{path} does not match its checksum (damaged)")
         device = model.device
-        tokens = tensors.pop("tokens")
-        cache = model.new_cache(tokens.shape[1], tokens.shape[0])
-        cache.load_state({name.removeprefix(CACHE_PREFIX): t for name, t in tensors.items()
-                          if name.startswith(CACHE_PREFIX)})
-        queries = {int(name[1:]): t.to(device) for name, t in tensors.items() if name.startswith("q")}
-        logits = tensors["logits"].to(device)
+        # clones: a read may hand out views of one buffer holding the whole file, which a kept slice would pin
+        tokens = tensors.pop("tokens").clone()
+        if on_disk:
+            cache = StoredCache(path, tokens.shape[1])
+        else:
+            cache = model.new_cache(tokens.shape[1], tokens.shape[0])
+            cache.load_state({name.removeprefix(CACHE_PREFIX): t for name, t in tensors.items()
+                              if name.startswith(CACHE_PREFIX)})
+        tensors = {name: t for name, t in tensors.items() if not name.startswith(CACHE_PREFIX)}
+        queries = {int(name[1:]): t.to(device, copy=True) for name, t in tensors.items() if name.startswith("q")}
+        logits = tensors["logits"].to(device, copy=True)
         synchronize(device)
         return PrefilledPrompt(tokens, cache, logits, queries, model_identity(model), float(meta["seconds"]),
                                str(path), time.perf_counter() - start)
@@ -156,6 +167,42 @@ class PrefillStore:
             total -= size
             removed.append(path)
         return removed
+
+
+_READING = threading.Lock()
+
+
+class StoredCache:
+    """A prefill's full cache left in its verified store file: ``state()`` reads it from there (what a decoder
+    copies into its own cache), so nothing but the file holds it between runs. The file must stay as it was
+    when it was verified (same size and modification time); otherwise ``state()`` refuses it."""
+
+    def __init__(self, path: Path, length: int):
+        self.path, self.length = path, length
+        self.stamp()
+
+    def stamp(self) -> None:
+        """Remember the file as it is now (after verifying it)."""
+        stat = self.path.stat()
+        self._stamp = (stat.st_size, stat.st_mtime_ns)
+
+    def load_into(self, cache) -> None:
+        """``cache.load_state(self.state())``, one stored prefill at a time across threads (a batch's rows
+        start together; each copy is the size of a full cache)."""
+        with _READING:
+            cache.load_state(self.state())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            stat = None
+        require(stat is not None and (stat.st_size, stat.st_mtime_ns) == self._stamp,
+                f"the stored prefill {self.path} changed or went away since it was verified (evicted by another "
+                "run?); load it again, or raise the prefill cache's size cap")
+        with safe_open(str(self.path), framework="pt", device="cpu") as f:
+            return {name.removeprefix(CACHE_PREFIX): f.get_tensor(name) for name in f.keys()
+                    if name.startswith(CACHE_PREFIX)}
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -91,6 +91,7 @@ def as_prompt(prompt: torch.Tensor | Sequence[int]) -> torch.Tensor:
 class PrefilledPrompt:
     tokens: torch.Tensor  # [B, T] the prompt's ids, on the CPU
     cache: StaticCache  # the target's full cache holding exactly the T prompt tokens; decoders copy it, never write it
+    # (a prefill_store.StoredCache when loaded on_disk: the same state(), read from its file)
     logits: torch.Tensor  # [B, V] the target's logits after the last prompt token, on the model's device
     queries: dict[int, torch.Tensor]  # layer -> [B, heads, head_dim] post-RoPE queries of the last prompt token
     model: dict[str, Any]  # model_identity() of the model that computed it
@@ -101,6 +102,15 @@ class PrefilledPrompt:
     @property
     def prompt_len(self) -> int:
         return self.tokens.shape[1]
+
+    def seed(self, cache: StaticCache) -> None:
+        """Copy this prefill's cache into a run's ``cache`` (a stored one is read from its file then, one row
+        of a batch at a time, so a batch never holds more than one extra copy)."""
+        load_into = getattr(self.cache, "load_into", None)
+        if load_into is not None:
+            load_into(cache)
+        else:
+            cache.load_state(self.cache.state())
 
     def check(self, model: Transformer, prompt: torch.Tensor) -> None:
         """Fail with the problem and its fix unless this prefill is ``model``'s for ``prompt`` [B, T]."""
@@ -139,17 +149,19 @@ def compute_prefill(model: Transformer, prompt: torch.Tensor, warmup: bool = Fal
 
 
 def prefill_prompt(model: Transformer, prompt: torch.Tensor | Sequence[int], *, store: PrefillStore | None = None,
-                   warmup: bool = False) -> PrefilledPrompt:
+                   warmup: bool = False, on_disk: bool = False) -> PrefilledPrompt:
     """The prefill of ``prompt`` (ids, ``[T]`` or ``[B, T]``) that ``decode(..., prefilled=)`` and every
     decoder start from. With ``store`` it is read from that disk cache when there (a damaged entry is
-    recomputed with a one-line warning) and written to it otherwise."""
+    recomputed with a one-line warning) and written to it otherwise; ``on_disk`` then leaves its cache in
+    the file, read by each decoder when it starts (a batch's prefills then cost no memory between runs;
+    kept in memory when the store could not keep the entry)."""
     ids = as_prompt(prompt)
     check_prompt(model, ids, 0)
     if store is not None:
-        found = store.load(model, ids)
+        found = store.load(model, ids, on_disk=on_disk)
         if found is not None:
             return found
     result = compute_prefill(model, ids, warmup)
-    if store is not None:
-        store.save(result)
+    if store is not None and store.save(result) is not None and on_disk:
+        return store.load(model, ids, on_disk=True) or result
     return result

@@ -318,7 +318,7 @@ def _dtype_run(cfg: ArBenchConfig, name: str, prompt: torch.Tensor, device: torc
     engines = [engine_row(engine, results, bytes_read, read_bw) for engine, results in runs.items()]
     prefilled = prefill_prompt(model, prompt)
     cache = model.new_cache(prompt.shape[1] + cfg.verify_tokens)
-    cache.load_state(prefilled.cache.state())
+    prefilled.seed(cache)
     del prefilled
     verify = [time_verify(model, cache, cfg.verify_tokens, cfg.new_tokens, "prefill")]
     del cache

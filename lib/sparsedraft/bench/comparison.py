@@ -292,10 +292,11 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
         for (name, _), opts in zip(config.methods, options):
             draft = target if getattr(opts, "draft", None) == "self" else None  # a loaded draft is checked by decode
             check_memory(batch_bytes(target, draft, [config.context] * config.batch, config.new_tokens, name, opts,
-                                     prefilled=True), config.max_memory or None, target.device)
+                                     prefilled=not config.prefill_cache), config.max_memory or None, target.device)
     prompts = [bench_prompt(config.model, config.context, config.split, config.variant + b, config.offset).to(device)
                for b in range(config.batch)]
-    prefills = [prefill_prompt(target, p, store=store, warmup=config.warmup > 0 and b == 0)
+    prefills = [prefill_prompt(target, p, store=store, warmup=config.warmup > 0 and b == 0,
+                               on_disk=config.batch > 1)  # a batch's prefills wait in the store, not in memory
                 for b, p in enumerate(prompts)]
     if config.batch == 1:
         prompt, prefilled, batch = prompts[0], prefills[0], {}

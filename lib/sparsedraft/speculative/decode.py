@@ -71,7 +71,7 @@ def prefill_target(target: Transformer, prompt: torch.Tensor, max_new_tokens: in
     copied from ``prefilled`` when given (checked by the caller), which stays as it was."""
     cache = target.new_cache(prompt.shape[1] + max_new_tokens)
     if prefilled is not None:
-        cache.load_state(prefilled.cache.state())
+        prefilled.seed(cache)
         queries = {layer: q.clone() for layer, q in prefilled.queries.items()} if capture else {}
         return TargetState(cache, queries, prefilled.logits[0].clone())
     last = Capture(layers=set(range(target.cfg.num_layers))) if capture else None
