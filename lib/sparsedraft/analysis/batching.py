@@ -22,17 +22,27 @@ from ..errors import require
 from ..roofline import attention_flops, kv_bytes, weight_bytes, weight_flops
 
 
+def attention_rows(cfg: ModelConfig, tokens: int, lanes: int = 1) -> int:
+    """Query rows an attention kernel computes per KV head for a ``tokens``-token step: the group's
+    ``group_size * tokens`` rows, rounded up to whole blocks of ``lanes``."""
+    require(tokens >= 1 and lanes >= 1, f"tokens and lanes must be >= 1, got {tokens}, {lanes}")
+    rows = cfg.group_size * tokens
+    return -(-rows // lanes) * lanes
+
+
 def step_ms(cfg: ModelConfig, context: int, batch: int, tokens: int, dtype_bytes: int, bandwidth: float,
-            peak_flops: float) -> float:
+            peak_flops: float, lanes: int = 1) -> float:
     """Roofline milliseconds of one ``tokens``-token forward of ``batch`` sequences over ``context`` cached
-    tokens each: the larger of reading weights once plus every cache, and the step's FLOPs at peak."""
+    tokens each: the larger of reading weights once plus every cache, and the step's FLOPs at peak (the
+    attention's counted over the rows a ``lanes``-wide kernel computes)."""
     read = weight_bytes(cfg, dtype_bytes) + batch * kv_bytes(cfg, context, dtype_bytes)
-    work = batch * tokens * (weight_flops(cfg) + attention_flops(cfg, context))
+    attention = attention_flops(cfg, context) * attention_rows(cfg, tokens, lanes) / cfg.group_size
+    work = batch * (tokens * weight_flops(cfg) + attention)
     return 1000 * max(read / bandwidth, work / peak_flops)
 
 
 def batch_roofline(cfg: ModelConfig, contexts: Iterable[int], batches: Iterable[int], tokens: int,
-                   dtype_bytes: int, bandwidth: float, peak_flops: float) -> pd.DataFrame:
+                   dtype_bytes: int, bandwidth: float, peak_flops: float, lanes: int = 1) -> pd.DataFrame:
     """Per (context, batch): bytes of one decode step, the KV share of them, the roofline ms of a decode step
     and of a ``tokens``-token verification, and their ratio (what one verification costs in decode steps)."""
     require(tokens >= 1, f"tokens must be >= 1, got {tokens}")
@@ -41,8 +51,8 @@ def batch_roofline(cfg: ModelConfig, contexts: Iterable[int], batches: Iterable[
         for batch in batches:
             require(batch >= 1 and context >= 1, f"batch and context must be >= 1, got {batch}, {context}")
             w, kv = weight_bytes(cfg, dtype_bytes), batch * kv_bytes(cfg, context, dtype_bytes)
-            decode = step_ms(cfg, context, batch, 1, dtype_bytes, bandwidth, peak_flops)
-            verify = step_ms(cfg, context, batch, tokens, dtype_bytes, bandwidth, peak_flops)
+            decode = step_ms(cfg, context, batch, 1, dtype_bytes, bandwidth, peak_flops, lanes)
+            verify = step_ms(cfg, context, batch, tokens, dtype_bytes, bandwidth, peak_flops, lanes)
             rows.append({"context": context, "batch": batch, "weight_gb": w / 1e9, "kv_gb": kv / 1e9,
                          "kv_share": kv / (w + kv), "decode_ms": decode, "verify_ms": verify, "tokens": tokens,
                          "verify_over_decode": verify / decode})
@@ -50,11 +60,11 @@ def batch_roofline(cfg: ModelConfig, contexts: Iterable[int], batches: Iterable[
 
 
 def selfspec_ceiling(cfg: ModelConfig, context: int, batch: int, budget: int, gamma: int, accepted: float,
-                     dtype_bytes: int, bandwidth: float, peak_flops: float) -> float:
+                     dtype_bytes: int, bandwidth: float, peak_flops: float, lanes: int = 1) -> float:
     """Roofline speedup of the target drafting ``gamma`` tokens over a ``budget``-token cache and verifying
     them over its full cache, keeping ``accepted`` drafts per round on average, against plain decoding."""
     require(0 <= accepted <= gamma, f"accepted must be in [0, gamma={gamma}], got {accepted}")
-    decode = step_ms(cfg, context, batch, 1, dtype_bytes, bandwidth, peak_flops)
-    draft = step_ms(cfg, budget, batch, 1, dtype_bytes, bandwidth, peak_flops)
-    verify = step_ms(cfg, context, batch, gamma + 1, dtype_bytes, bandwidth, peak_flops)
+    decode = step_ms(cfg, context, batch, 1, dtype_bytes, bandwidth, peak_flops, lanes)
+    draft = step_ms(cfg, budget, batch, 1, dtype_bytes, bandwidth, peak_flops, lanes)
+    verify = step_ms(cfg, context, batch, gamma + 1, dtype_bytes, bandwidth, peak_flops, lanes)
     return (accepted + 1) * decode / (gamma * draft + verify)

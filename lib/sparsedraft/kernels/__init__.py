@@ -32,6 +32,7 @@ from ..errors import require
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("decode_attention.cpp", "few_rows_linear.cpp", "bindings.cpp"))
 MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
+LANES = 16  # decode_attention.cpp's kLanes: query rows of a KV head are computed in blocks of this many
 # Tried in order: the first that builds is kept. -march=native with 512-bit vectors where the compiler
 # takes it, then the portable build. -ffp-contract=off keeps every multiply-add explicit (exactness).
 FLAG_SETS = (
