@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 import torch
 from table_models import always_accept, chi_square_pvalue
+from test_decode import OPTIONS  # every method, with budgets small enough for short prompts
 
 from sparsedraft import decode, kernels, load_model
 from sparsedraft.bench.comparison import CompareConfig, compare
@@ -31,13 +32,6 @@ from sparsedraft.tiny import tiny_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TEXTS = ["The best way to get startup ideas is not to try to think of startup ideas. " * k for k in (3, 4, 2)]
-OPTIONS = {  # small budgets so the short prompts fit
-    "ar": {},
-    "spec": {"draft": "truncated:1", "gamma": 3},
-    "retrieval": {"budget": 64, "gamma": 3},
-    "triforce": {"budget": 64, "gamma1": 2, "gamma2": 4},
-    "budgetdraft": {"draft": "truncated:1", "budget": 64, "gamma": 3},
-}
 
 
 @pytest.fixture(scope="module")
