@@ -5,6 +5,9 @@ Where everything is, one hop from here:
 - decode anything: :func:`decode` (``sparsedraft.decoding``) with a method from
   :data:`METHODS` (``sparsedraft.methods``: ar, spec, retrieval, triforce,
   budgetdraft, each an options dataclass);
+- batches: ``decode`` with a list of prompts runs each row's batch-1 decoder
+  in lockstep, one forward per step for all rows (``sparsedraft.batching``,
+  ``sparsedraft.lockstep``; the batch roofline in ``analysis.batching``);
 - one prefill for many runs: :func:`prefill_prompt` / :class:`PrefilledPrompt`
   (``sparsedraft.prefilled``; ``decode(..., prefilled=)``) and its disk cache
   :class:`PrefillStore` (``sparsedraft.prefill_store``);
