@@ -81,3 +81,33 @@ def test_training_lowers_the_loss_and_the_cli_reports_json(tmp_path, capsys):
           "--teacher-dir", str(tmp_path / "teacher"), "--out-dir", str(tmp_path / "cli")])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["step"] == 1 and last["config"]["lam"] == 0 and last["config"]["budgets"] == [16, 32]
+
+
+def test_a_drafter_of_another_verifier_or_a_damaged_one_is_refused_before_any_forward(tmp_path, monkeypatch):
+    from sparsedraft import decode
+    from sparsedraft.budgetdraft.checkpoint import check_drafter_for
+    from sparsedraft.model import Transformer
+    train_drafter(config(tmp_path, "a", steps=1), tiny_model("llama"), progress=False)
+    run = tmp_path / "a"
+    state = json.loads((run / "state.json").read_text())
+    assert state["verifier"]["source"] == "tiny-llama" and state["verifier"]["vocab_size"] == 256
+    check_drafter_for(run, 256, "tiny-qwen2")  # another tiny model: the same byte tokenizer
+    other = tiny_model("llama", vocab_size=128)
+    prompt = torch.arange(1, 100)[None] % 128
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a forward ran before the drafter was refused")
+
+    monkeypatch.setattr(Transformer, "forward", refuse)
+    with pytest.raises(SparsedraftError, match="vocabulary of 256 tokens, this verifier 128.*tiny-llama"):
+        decode(other, prompt, "budgetdraft", 4, draft=str(run), budget=16, chunk_size=8)
+    state["verifier"]["tokenizer"] = "0" * 16  # as if trained with another tokenizer of the same size
+    (run / "state.json").write_text(json.dumps(state))
+    with pytest.raises(SparsedraftError, match="tokenizer differs"):
+        check_drafter_for(run, 256, "tiny-llama")
+    (run / "drafter.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SparsedraftError, match="not readable safetensors"):
+        decode(tiny_model("llama"), prompt, "budgetdraft", 4, draft=str(run), budget=16, chunk_size=8)
+    (run / "state.json").write_text("{ damaged")
+    with pytest.raises(SparsedraftError, match="not readable JSON"):
+        decode(tiny_model("llama"), prompt, "budgetdraft", 4, draft=str(run), budget=16, chunk_size=8)

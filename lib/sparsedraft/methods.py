@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .budgetdraft.checkpoint import has_checkpoint, load_drafter, read_state
+from .budgetdraft.checkpoint import check_drafter_for, has_checkpoint, load_drafter, read_state
 from .budgetdraft.drafter import BudgetDrafter
 from .caches import StreamingCache, rebuild_policy
 from .caches.retrieval import GROUP_REDUCTIONS
@@ -55,10 +55,13 @@ def _check_trained_budget(draft: Any, budget: int) -> None:
                                "was trained on; pick one of those or train with this budget")
 
 
-def _check_draft_source(draft: Any) -> None:
-    """A draft named by a string must be findable before anything loads (an HF id may download here)."""
-    if (not isinstance(draft, str) or draft in ("ngram", SELF) or draft.startswith("truncated:")
-            or has_checkpoint(Path(draft))):
+def _check_draft_source(draft: Any, cfg: ModelConfig) -> None:
+    """A draft named by a string must be findable before anything loads (an HF id may download here); a
+    BudgetDraft run folder must be readable and trained for this verifier's vocabulary."""
+    if isinstance(draft, str) and has_checkpoint(Path(draft)):
+        check_drafter_for(Path(draft), cfg.vocab_size)
+        return
+    if not isinstance(draft, str) or draft in ("ngram", SELF) or draft.startswith("truncated:"):
         return
     from .weights import resolve
     try:
@@ -127,7 +130,7 @@ class SpecOptions(StreamingDraftOptions):
                 f"draft_cache {self.draft_cache!r} needs a draft model; prompt lookup (ngram) has no cache")
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
-        _check_draft_source(self.draft)
+        _check_draft_source(self.draft, cfg)
         if self.draft_cache == "budget":
             _check_budget(self.budget, self.chunk_size, prompt_len)
             _check_trained_budget(self.draft, self.budget)
@@ -152,7 +155,7 @@ class BudgetDraftOptions:
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
-        _check_draft_source(self.draft)
+        _check_draft_source(self.draft, cfg)
         _check_budget(self.budget, self.chunk_size, prompt_len)
         _check_trained_budget(self.draft, self.budget)
 
@@ -210,7 +213,7 @@ class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
         """The retrieval budget is level 2's; a BudgetDraft drafter at level 1 drafts over a streaming cache,
         so its trained budgets do not constrain it."""
-        _check_draft_source(self.draft)
+        _check_draft_source(self.draft, cfg)
         super().check(cfg, prompt_len)
 
 
@@ -227,6 +230,7 @@ def load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Trans
     if draft.startswith("truncated:"):
         return truncated_draft(target, int(draft.removeprefix("truncated:")))
     if has_checkpoint(Path(draft)):
+        check_drafter_for(Path(draft), target.cfg.vocab_size, getattr(target, "source", None))
         return load_drafter(draft, target.dtype, target.device)
     from .weights import load_model
     return load_model(draft, target.dtype, target.device)

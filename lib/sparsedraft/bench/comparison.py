@@ -32,11 +32,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from .. import weights
+from ..budgetdraft.checkpoint import check_drafter_for, has_checkpoint
 from ..batching import batch_bytes, check_memory
 from ..data import SPLITS, bench_prompt
 from ..decoding import DecodeResult, decode
@@ -283,6 +285,9 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     options = [method_options(name, **opts) for name, opts in config.methods]
     for opts in options:
         opts.check(model_cfg, config.context)
+        draft = getattr(opts, "draft", None)
+        if isinstance(draft, str) and has_checkpoint(Path(draft)):  # its tokenizer too, before the prefill
+            check_drafter_for(Path(draft), model_cfg.vocab_size, config.model)
     store = PrefillStore(config.prefill_cache, int(config.prefill_cache_gib * GiB)) if config.prefill_cache else None
 
     target = target if target is not None else weights.load_model(config.model, DTYPES[config.dtype], device)

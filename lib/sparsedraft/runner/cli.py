@@ -33,7 +33,7 @@ HELP = "run the notebooks with papermill into outputs/ (skips runs whose results
 def add_run_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="cpu",
                         help="profile name in notebooks/profiles/ (cpu, quick, gpu-paper, cpu-sweep, cost-sweep, "
-                             "long-quality) or a .yaml path")
+                             "long-quality, batch-16k) or a .yaml path")
     parser.add_argument("--only", default="",
                         help="comma-separated notebook numbers or names, e.g. 01,04 (default: all, or the "
                              "profile's select)")
