@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import roofline
 from .config import ModelConfig
 from .errors import require
 from .lockstep import LockstepStats, run_rows
@@ -107,8 +108,8 @@ def available_bytes(device: torch.device | str = "cpu") -> int | None:
 
 
 def kv_bytes(cfg: ModelConfig, tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values for ``tokens`` tokens of one sequence."""
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * tokens * torch.empty(0, dtype=dtype).element_size()
+    """Bytes of keys and values for ``tokens`` tokens of one sequence in ``dtype``."""
+    return roofline.kv_bytes(cfg, tokens, torch.empty(0, dtype=dtype).element_size())
 
 
 def batch_bytes(model: Transformer, draft: Any, lengths: Sequence[int], n: int, method: str, opts: Any,
