@@ -3,6 +3,9 @@ the benchmarks and the notebooks, so ``--dtype bf16 --device auto`` means the sa
 
 from __future__ import annotations
 
+import resource
+import sys
+
 import torch
 
 from .errors import SparsedraftError, require
@@ -26,3 +29,10 @@ def resolve_device(name: str) -> torch.device:
 def device_name(device: torch.device) -> str:
     """A device as a report names it: the GPU's model for CUDA, else the device type."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (10^9 bytes; ``ru_maxrss`` is KiB on Linux, bytes on
+    macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * (1 if sys.platform == "darwin" else 1024) / 1e9

@@ -49,7 +49,7 @@ from ..prefill_store import GiB, PrefillStore
 from ..prefilled import prefill_prompt
 from ..quant import quantize_int8
 from ..report import format_table
-from ..runtime import DTYPES, device_name, resolve_device
+from ..runtime import DTYPES, device_name, peak_rss_gb, resolve_device
 from ..sampling import SamplingConfig
 from .timing import interleaved_runs, median_run
 
@@ -107,8 +107,8 @@ class CompareConfig:
         "help": "sequences decoded together (lockstep, one forward per step): the prompts are the corpus windows "
                 "variant .. variant + batch - 1; tok/s is over the batch"})
     max_memory: str = field(default="", metadata={
-        "help": "with --batch: refuse a batch whose caches and weights exceed this (e.g. 8GB); empty: the "
-                "machine's available memory"})
+        "help": "with --batch: refuse a batch whose caches and weights exceed this (e.g. 8GB); empty: the free "
+                "memory where the caches live (the GPU's on CUDA)"})
     # Methods compared with the baseline: names or (name, options) pairs; the CLI sets one from its flags.
     methods: tuple = field(default=(), metadata={"cli": False})
 
@@ -325,15 +325,7 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     runs = interleaved_runs(runners, config.warmup, config.repeats, progress)
     given = {BASELINE: {}, **{label: opts for label, (_, opts) in zip(labels, config.methods)}}
     rows = [_row(label, runs[label], runs[BASELINE], config.sampling.greedy, given[label]) for label in runners]
-    loaded = {p.loaded_from for p in prefills}
+    loaded = sorted({p.loaded_from for p in prefills if p.loaded_from is not None})  # the files read; none computed
     return CompareResult(config, device_name(device), prompts[0].shape[1], rows, sum(p.seconds for p in prefills),
-                         prefills[0].loaded_from if len(loaded) == 1 else ", ".join(sorted(map(str, loaded))),
-                         peak_rss_gb())
+                         ", ".join(loaded) or None, peak_rss_gb())
 
-
-def peak_rss_gb() -> float:
-    """This process's peak resident memory so far, in GB (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    import resource
-    import sys
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak * (1 if sys.platform == "darwin" else 1024) / 1e9
