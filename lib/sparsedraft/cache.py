@@ -144,6 +144,10 @@ class StaticCache(KVCache):
             state[f"k{layer}"], state[f"v{layer}"] = self.keys(layer), self.values(layer)
         return state
 
+    def copy_into(self, other: "StaticCache") -> None:
+        """Make ``other`` hold exactly this cache's tokens (a copy: this cache is never written)."""
+        other.load_state(self.state())
+
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Hold exactly the tokens of ``state`` (from :meth:`state`), copied into this cache's buffers, so the
         cache it came from is never written: one prefill can seed any number of runs."""

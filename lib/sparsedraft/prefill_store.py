@@ -35,6 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .cache import StaticCache
 from .errors import SparsedraftError, require
 from .generate import synchronize
 from .model import Transformer
@@ -186,9 +187,9 @@ class StoredCache:
         stat = self.path.stat()
         self._stamp = (stat.st_size, stat.st_mtime_ns)
 
-    def load_into(self, cache) -> None:
-        """``cache.load_state(self.state())``, one stored prefill at a time across threads (a batch's rows
-        start together; each copy is the size of a full cache)."""
+    def copy_into(self, cache: StaticCache) -> None:
+        """As :meth:`StaticCache.copy_into`, read from the file, one stored prefill at a time across threads (a
+        batch's rows start together; each read is the size of a full cache)."""
         with _READING:
             cache.load_state(self.state())
 

@@ -91,7 +91,7 @@ def as_prompt(prompt: torch.Tensor | Sequence[int]) -> torch.Tensor:
 class PrefilledPrompt:
     tokens: torch.Tensor  # [B, T] the prompt's ids, on the CPU
     cache: StaticCache  # the target's full cache holding exactly the T prompt tokens; decoders copy it, never write it
-    # (a prefill_store.StoredCache when loaded on_disk: the same state(), read from its file)
+    # (a prefill_store.StoredCache when loaded on_disk: the same state() and copy_into(), read from its file)
     logits: torch.Tensor  # [B, V] the target's logits after the last prompt token, on the model's device
     queries: dict[int, torch.Tensor]  # layer -> [B, heads, head_dim] post-RoPE queries of the last prompt token
     model: dict[str, Any]  # model_identity() of the model that computed it
@@ -106,11 +106,7 @@ class PrefilledPrompt:
     def seed(self, cache: StaticCache) -> None:
         """Copy this prefill's cache into a run's ``cache`` (a stored one is read from its file then, one row
         of a batch at a time, so a batch never holds more than one extra copy)."""
-        load_into = getattr(self.cache, "load_into", None)
-        if load_into is not None:
-            load_into(cache)
-        else:
-            cache.load_state(self.cache.state())
+        self.cache.copy_into(cache)
 
     def check(self, model: Transformer, prompt: torch.Tensor) -> None:
         """Fail with the problem and its fix unless this prefill is ``model``'s for ``prompt`` [B, T]."""

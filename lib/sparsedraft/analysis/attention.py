@@ -177,7 +177,7 @@ def layer_qk(model: Transformer, prompt: torch.Tensor, layers: Iterable[int] | N
     cache = model.new_cache(length)
     rerun = 0
     if source is not None:
-        cache.load_state(source.cache.state())  # a copy: the stored cache stays as it was
+        source.seed(cache)  # a copy: the stored cache stays as it was
         cache.rollback(length - first)
         rerun = first
     capture = Capture(layers=set(chosen))
