@@ -276,3 +276,19 @@ def test_bench_refuses_a_batch_over_the_memory_cap_before_any_prefill(no_forward
     with pytest.raises(SparsedraftError, match="needs about"):
         compare(CompareConfig(model="tiny-llama", context=200, new_tokens=8, batch=3, warmup=0, max_memory="10KB",
                               methods=(("retrieval", {"budget": 64, "gamma": 3}),)))
+
+
+def test_memory_estimate_counts_the_caches_the_methods_build(model):
+    """batch_bytes' draft caches are the buffers TriForce allocates: a retrieval view and a draft's streaming cache."""
+    from sparsedraft.batching import batch_bytes
+    from sparsedraft.methods import load_draft, method_options
+    from sparsedraft.speculative import triforce_drafter
+    opts = method_options("triforce", draft="truncated:1", budget=64, gamma1=2, gamma2=4, sink=4, window=32)
+    draft = load_draft(opts.draft, model)
+    built = triforce_drafter(model, draft, opts.gamma1, opts.gamma2, opts.budget, opts.chunk_size, opts.sink,
+                             opts.window)
+    caches = (built.verifier.cache, built.inner.cache)
+    held = sum(t.numel() * t.element_size() for cache in caches for t in (*cache.k, *cache.v))
+    parts = batch_bytes(model, draft, [100, 120], 8, "triforce", opts, prefilled=False)
+    assert parts["draft caches"] == 2 * held
+    assert parts["weights"] == sum(p.numel() * p.element_size() for p in model.parameters())  # the draft shares them

@@ -6,10 +6,10 @@ holding prompts of different lengths must say which ids are padding with an
 ``attention_mask`` (1 real, 0 padding, on either side): without it the pads
 would be read as text, so a tensor whose rows end in the tokenizer's pad id is
 refused. Every method runs with a batch -- plain decoding, a draft model,
-retrieval self-speculation, StreamingLLM self-speculation (``spec`` with
-``draft=truncated:L`` or the target itself over a streaming cache), TriForce
-and BudgetDraft -- and row ``b`` gives exactly its batch-1 run (greedy: token
-for token; sampled: with seed ``seed + b``).
+retrieval self-speculation, StreamingLLM self-speculation (``retrieval`` with
+``group_reduce="recent"``), TriForce and BudgetDraft -- and row ``b`` gives
+exactly its batch-1 run (greedy: token for token; sampled: with seed
+``seed + b``).
 
 Before any prefill, :func:`batch_bytes` adds up what the batch will hold (the
 weights, every row's full cache, draft caches and shared prefills) and
@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from . import roofline
+from .caches import StreamingCache
 from .config import ModelConfig
 from .errors import require
 from .lockstep import LockstepStats, run_rows
@@ -121,17 +122,18 @@ def batch_bytes(model: Transformer, draft: Any, lengths: Sequence[int], n: int, 
              "full caches": sum(kv_bytes(cfg, length + n, dtype) for length in lengths),
              "draft caches": 0, "shared prefills": sum(kv_bytes(cfg, length, dtype) for length in lengths)
              if prefilled else 0}
-    gamma = max(getattr(opts, name, 0) for name in ("gamma", "gamma2"))
-    if method in ("retrieval", "triforce"):
-        parts["draft caches"] += len(lengths) * kv_bytes(cfg, opts.budget + gamma, dtype)
+    if method in ("retrieval", "triforce"):  # the retrieval view: budget + level-2 speculative slots
+        level2 = opts.gamma2 if method == "triforce" else opts.gamma
+        parts["draft caches"] += len(lengths) * kv_bytes(cfg, opts.budget + level2, dtype)
     if isinstance(draft, Transformer):
-        dcfg = draft.cfg
         if draft is not model and not any(p is q for p in draft.parameters() for q in model.parameters()):
             parts["weights"] += sum(p.numel() * p.element_size() for p in draft.parameters())
-        streaming = method == "triforce" or getattr(opts, "draft_cache", "full") == "streaming"
-        for length in lengths:
-            held = opts.sink + opts.window * 2 + gamma + 8 if streaming else length + n
-            parts["draft caches"] += kv_bytes(dcfg, held, draft.dtype)
+        if method == "triforce" or getattr(opts, "draft_cache", "full") == "streaming":  # as methods.py builds it
+            spec_slots = opts.gamma1 + opts.gamma2 if method == "triforce" else opts.gamma
+            held = [StreamingCache.slots_for(opts.sink, opts.window, spec_slots)] * len(lengths)
+        else:  # a full (or budget) cache of the whole run
+            held = [length + n for length in lengths]
+        parts["draft caches"] += sum(kv_bytes(draft.cfg, tokens, draft.dtype) for tokens in held)
     return parts
 
 

@@ -86,7 +86,7 @@ class StreamingCache(KVCache):
         self.keys_prerope = positions == "cache"
         self.model_window = cfg.sliding_window
         self.keep = window - 1 + spec_slots  # recent tokens a compaction keeps
-        self.slots = sink + self.keep + window  # plus one window of fresh tokens between compactions
+        self.slots = self.slots_for(sink, window, spec_slots)
         self.batch, self.dtype = batch, dtype
         shape = (batch, cfg.num_kv_heads, self.slots, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
@@ -94,6 +94,12 @@ class StreamingCache(KVCache):
         self.device = self.k[0].device
         self.reset()
 
+
+    @staticmethod
+    def slots_for(sink: int, window: int, spec_slots: int) -> int:
+        """Slots of each layer's buffer: the sinks, the ``window - 1 + spec_slots`` recent tokens a compaction
+        keeps, and one window of fresh tokens between compactions."""
+        return sink + (window - 1 + spec_slots) + window
     def reset(self) -> None:
         self.length = 0  # tokens seen (true position of the next token)
         self.oldest = self.sink  # true position held by slot `sink`
