@@ -109,7 +109,8 @@ class SpecOptions(StreamingDraftOptions):
 
     draft: str = field(default="ngram", metadata={
         "help": "ngram (prompt lookup), self (the target itself over a sparse draft cache it prefills; "
-                "retrieval --group-reduce recent gets StreamingLLM self-speculation by a copy instead), truncated:K (the target's first K layers), a model source, or a BudgetDraft "
+                "retrieval --group-reduce recent gets StreamingLLM self-speculation by a copy instead), "
+                "truncated:K (the target's first K layers), a model source, or a BudgetDraft "
                 "run folder; from Python also a Transformer or Drafter"})
     draft_cache: str = field(default="full", metadata={
         "help": "the draft model's cache: full, streaming (sink + window) or budget (BudgetDraft, --budget tokens)",
@@ -218,9 +219,9 @@ class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
 
 
 def load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
-    """A draft made concrete: ``ngram`` -> None (prompt lookup), ``self`` -> the target, ``truncated:K`` -> the target's first K
-    layers (shared weights), a BudgetDraft run folder -> its drafter, any other model source -> a loaded model; objects
-    pass through. Models land on the target's device and dtype."""
+    """A draft made concrete: ``ngram`` -> None (prompt lookup), ``self`` -> the target, ``truncated:K`` -> the
+    target's first K layers (shared weights), a BudgetDraft run folder -> its drafter (checked against the
+    target first), any other model source -> a loaded model; objects pass through. Models land on the target's device and dtype."""
     if not isinstance(draft, str):
         return draft
     if draft == "ngram":

@@ -181,13 +181,14 @@ def _attend_rows(cache: RowCaches, layer: int, q: torch.Tensor, k: torch.Tensor,
     return out
 
 
-EXACT_ROWS = 256  # a batch of steps (<= KERNEL_MAX_TOKENS tokens a row) up to this many rows: the kernel, 16 rows a call
+EXACT_ROWS = 256  # a batch of steps (<= KERNEL_MAX_TOKENS tokens a row) of up to this many rows: the kernel, 16 a call
 
 
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``; a decode or verification step (CPU, no autograd, at most :data:`EXACT_ROWS` rows of at most
-    :data:`KERNEL_MAX_TOKENS` tokens per sequence) goes through the C++ kernel, which reads the weight once per 16 rows and gives each row the bits it gets
-    alone, so a batch of steps gives every row what its batch-1 step gives."""
+    """``layer(x)``; a decode or verification step (CPU, no autograd, at most :data:`EXACT_ROWS` rows of at
+    most :data:`KERNEL_MAX_TOKENS` tokens per sequence) goes through the C++ kernel, which reads the weight
+    once per 16 rows and gives each row the bits it gets alone, so a batch of steps gives every row what its
+    batch-1 step gives."""
     if not isinstance(layer, nn.Linear):  # an int8 layer (quant.py)
         return layer(x)
     rows = x.numel() // x.shape[-1]

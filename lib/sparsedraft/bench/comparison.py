@@ -239,7 +239,8 @@ def _row(label: str, runs: list[DecodeResult], baseline: list[DecodeResult], che
     base_total = statistics.median(r.total_s for r in baseline)
     common = dict(method=label, prefill_s=statistics.median(r.prefill_s for r in runs),
                   setup_s=statistics.median(r.setup_s for r in runs), ms_per_token=ms,
-                  tokens_per_s=runs[0].tokens.shape[0] * 1000 / ms, speedup=base_ms / ms, end_to_end=base_total / total, tokens_match=match,
+                  tokens_per_s=runs[0].tokens.shape[0] * 1000 / ms, speedup=base_ms / ms,  # tok/s over the batch
+                  end_to_end=base_total / total, tokens_match=match,
                   options={k: _plain(v) for k, v in options.items()})
     run = median_run(runs, key=lambda r: r.decode_s)
     if run.rows is not None and run.levels:  # a batch: every row's counts added up, regions of its slowest row
