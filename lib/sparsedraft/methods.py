@@ -221,7 +221,8 @@ class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
 def load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
     """A draft made concrete: ``ngram`` -> None (prompt lookup), ``self`` -> the target, ``truncated:K`` -> the
     target's first K layers (shared weights), a BudgetDraft run folder -> its drafter (checked against the
-    target first), any other model source -> a loaded model; objects pass through. Models land on the target's device and dtype."""
+    target first), any other model source -> a loaded model; objects pass through. Models land on the target's
+    device and dtype."""
     if not isinstance(draft, str):
         return draft
     if draft == "ngram":
