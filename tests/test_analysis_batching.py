@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from sparsedraft import kernels
-from sparsedraft.analysis.batching import attention_rows, batch_roofline, selfspec_ceiling, step_ms
+from sparsedraft.analysis.batching import (attention_rows, batch_roofline, best_selfspec_ceiling, per_draft_acceptance,
+                                           selfspec_ceiling, step_ms)
 from sparsedraft.roofline import kv_bytes, weight_bytes
 from sparsedraft.weights import load_config
 
@@ -49,3 +50,27 @@ def test_selfspec_ceiling_is_accepted_tokens_over_draft_and_verify_cost():
     assert ceiling == pytest.approx(3 * decode / (3 * draft + decode))
     with pytest.raises(Exception, match="accepted"):
         selfspec_ceiling(CFG, 2048, 4, 256, 3, 4.0, **args)
+
+
+def test_per_draft_acceptance_inverts_the_expected_accepted_drafts():
+    for alpha, gamma in [(0.0, 3), (0.5, 2), (0.9, 4), (1.0, 1)]:
+        fraction = sum(alpha ** i for i in range(1, gamma + 1)) / gamma
+        assert per_draft_acceptance(fraction, gamma) == pytest.approx(alpha, abs=1e-9)
+    assert per_draft_acceptance(0.874, 2) > 0.874  # a round stops at its first rejection
+    with pytest.raises(Exception, match="fraction"):
+        per_draft_acceptance(1.2, 2)
+
+
+def test_best_selfspec_ceiling_takes_the_best_gamma():
+    args = dict(dtype_bytes=2, bandwidth=1e12, peak_flops=1e30)  # bandwidth-bound: verification costs one decode
+    best, gamma = best_selfspec_ceiling(CFG, 2048, 4, 256, 0.8, max_gamma=12, **args)
+    each = [selfspec_ceiling(CFG, 2048, 4, 256, g, sum(0.8 ** i for i in range(1, g + 1)), **args)
+            for g in range(1, 13)]
+    assert best == pytest.approx(max(each)) and gamma == 1 + each.index(max(each))
+    assert 1 < gamma < 12  # longer rounds pay until the expected extra draft is worth less than its step
+    all_accepted, longest = best_selfspec_ceiling(CFG, 2048, 4, 256, 1.0, max_gamma=12, **args)
+    assert longest == 12 and all_accepted > best
+    # compute-bound and a draft cache as large as the full one: a k-token step costs k drafts, so the best is
+    # gamma 1 at 2 tokens for 3 steps' work, even with every draft accepted
+    slow_flops = dict(dtype_bytes=2, bandwidth=1e30, peak_flops=1e9)
+    assert best_selfspec_ceiling(CFG, 2048, 4, 2048, 1.0, **slow_flops) == (pytest.approx(2 / 3), 1)

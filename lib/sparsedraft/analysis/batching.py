@@ -8,7 +8,9 @@ does ``B * k`` tokens of work, whose attention is compute-bound beyond the
 machine's ridge point (TriForce's Table 4: the verifier's cost climbs with
 the batch). :func:`batch_roofline` tabulates both per step;
 :func:`selfspec_ceiling` turns them into the speedup a self-speculating
-sparse cache could reach at a given acceptance.
+sparse cache could reach at a given acceptance, and :func:`best_selfspec_ceiling`
+the best of it over γ for a per-draft acceptance (:func:`per_draft_acceptance`
+turns a run's accepted share into one).
 """
 
 from __future__ import annotations
@@ -68,3 +70,27 @@ def selfspec_ceiling(cfg: ModelConfig, context: int, batch: int, budget: int, ga
     draft = step_ms(cfg, budget, batch, 1, dtype_bytes, bandwidth, peak_flops, lanes)
     verify = step_ms(cfg, context, batch, gamma + 1, dtype_bytes, bandwidth, peak_flops, lanes)
     return (accepted + 1) * decode / (gamma * draft + verify)
+
+
+def per_draft_acceptance(fraction: float, gamma: int) -> float:
+    """The i.i.d. per-draft acceptance α whose expected accepted drafts per round, α + α² + ... + α^γ, equal
+    ``fraction * gamma`` (``fraction``: the share of drafts a run accepted with ``gamma`` drafts per round).
+    A round stops at its first rejection, so α is above the accepted share whenever 0 < fraction < 1."""
+    require(0.0 <= fraction <= 1.0, f"fraction must lie in [0, 1], got {fraction}")
+    require(gamma >= 1, f"gamma must be >= 1, got {gamma}")
+    target = fraction * gamma
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection: the sum rises with α
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(1, gamma + 1)) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def best_selfspec_ceiling(cfg: ModelConfig, context: int, batch: int, budget: int, alpha: float, dtype_bytes: int,
+                          bandwidth: float, peak_flops: float, lanes: int = 1, max_gamma: int = 16) -> tuple[float, int]:
+    """The highest :func:`selfspec_ceiling` over γ = 1 .. ``max_gamma`` when each draft is accepted with
+    probability ``alpha`` (a round keeps α + ... + α^γ drafts on average), and the γ that reaches it."""
+    require(0.0 <= alpha <= 1.0, f"alpha must lie in [0, 1], got {alpha}")
+    require(max_gamma >= 1, f"max_gamma must be >= 1, got {max_gamma}")
+    return max((selfspec_ceiling(cfg, context, batch, budget, g, sum(alpha ** i for i in range(1, g + 1)),
+                                 dtype_bytes, bandwidth, peak_flops, lanes), g) for g in range(1, max_gamma + 1))
