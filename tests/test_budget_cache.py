@@ -101,3 +101,58 @@ def test_bad_budgets_and_misuse_fail_clearly():
         budget_prefill(model, cache, torch.randint(0, 256, (1, 70)))
     with pytest.raises(SparsedraftError, match="every layer"):
         BudgetCache(cfg, 16, 64, CHUNK, WINDOW).select({})
+
+
+def naive_key_choice(keys, last, keep):
+    """One KV head: the `keep` complete chunks whose mean key has the largest dot product with `last` (chunk 0
+    first whatever its score), by plain loops in float64."""
+    scores = []
+    for c in range(keys.shape[0] // CHUNK):
+        score = float("inf") if c == 0 else float(keys[c * CHUNK:(c + 1) * CHUNK].double().mean(0) @ last.double())
+        scores.append((-score, c))
+    return sorted(c for _, c in sorted(scores)[:keep])
+
+
+@pytest.mark.parametrize("prompt_len", [77, 80])
+def test_key_scoring_keeps_per_kv_head_the_chunks_whose_mean_key_meets_the_last_key(prompt_len):
+    model = tiny_model("llama")  # 2 KV heads: each chooses for itself
+    tokens = torch.randint(0, 256, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    budget = 24
+    cache = BudgetCache(model.cfg, budget, prompt_len + 8, CHUNK, WINDOW, batch=2, scoring="keys")
+    budget_prefill(model, cache, tokens)
+    full = model.new_cache(prompt_len, batch=2)
+    prefill(model, full, tokens)
+    stop = prompt_len // CHUNK * CHUNK
+    heads_differ = False
+    for layer in range(model.cfg.num_layers):
+        keys = full.k[layer]
+        for b in range(2):
+            expected = [naive_key_choice(keys[b, h, :stop], keys[b, h, prompt_len - 1], budget // CHUNK)
+                        for h in range(model.cfg.num_kv_heads)]
+            assert cache.chosen[layer][b].tolist() == expected
+            heads_differ |= expected[0] != expected[1]
+            for h, chunks in enumerate(expected):
+                kept = [p for c in chunks for p in range(c * CHUNK, (c + 1) * CHUNK)] + list(range(stop, prompt_len))
+                # a full cache prefills through other attention paths than a BudgetCache: equal to rounding
+                torch.testing.assert_close(cache.k[layer][b, h, :len(kept)], keys[b, h, kept], atol=1e-5, rtol=0)
+                torch.testing.assert_close(cache.v[layer][b, h, :len(kept)], full.v[layer][b, h, kept], atol=1e-5,
+                                           rtol=0)
+    assert heads_differ  # the per-head choice is exercised, not one choice copied to both heads
+    assert cache.slots == budget + prompt_len - stop
+
+
+def test_the_chunk_rule_decides_what_select_takes():
+    model = tiny_model("llama")
+    tokens = torch.randint(0, 256, (1, 40))
+    keys = BudgetCache(model.cfg, 16, 48, CHUNK, WINDOW, scoring="keys")
+    keys.open_prefix()
+    prefill(model, keys, tokens)
+    with pytest.raises(SparsedraftError, match="selects from its own keys"):
+        keys.select({layer: torch.zeros(1) for layer in range(model.cfg.num_layers)})
+    by_attention = BudgetCache(model.cfg, 16, 48, CHUNK, WINDOW)
+    by_attention.open_prefix()
+    prefill(model, by_attention, tokens)
+    with pytest.raises(SparsedraftError, match="needs the attention of every layer"):
+        by_attention.select()
+    with pytest.raises(SparsedraftError, match="chunk scoring must be one of"):
+        BudgetCache(model.cfg, 16, 48, CHUNK, WINDOW, scoring="mean")

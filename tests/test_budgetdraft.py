@@ -123,3 +123,11 @@ def test_teacher_targets_are_cached_and_required_without_compute(tmp_path):
     assert torch.equal(teacher_targets(verifier, "tiny-llama", windows, tmp_path, compute=False), targets)
     with pytest.raises(SparsedraftError, match="not cached"):  # other windows, other file
         teacher_targets(verifier, "tiny-llama", windows[:, :16], tmp_path, compute=False)
+
+
+def test_the_chunk_rule_is_a_training_option_that_leaves_existing_run_names_alone():
+    base = TrainConfig()
+    assert "scoring" not in base.shaping()  # runs trained before the option keep their folders
+    assert TrainConfig(scoring="keys").run_name != base.run_name
+    with pytest.raises(SparsedraftError, match="chunk scoring must be one of"):
+        TrainConfig(scoring="mean")

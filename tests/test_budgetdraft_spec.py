@@ -92,3 +92,28 @@ def test_simulate_greedy_counts_rounds():
     stats = simulate_greedy(torch.tensor([True, True, False, True, True, True, True, False]), gamma=3)
     # rounds: accept 2 + correction (3 tokens), accept 3 + bonus (4), last token alone
     assert (stats.drafted, stats.accepted, stats.verifications, stats.generated) == (3 + 3 + 0, 5, 3, 8)
+
+
+@pytest.mark.parametrize("budget", [16, 48])
+def test_key_scored_budget_cache_is_lossless_and_its_estimate_is_the_real_decoder(pair, budget):
+    verifier, drafter, _ = pair
+    prompt = prompt_tokens(ByteTokenizer(), 150, split="heldout", variant=2)
+    expected = generate(verifier, prompt[None], 40).tokens
+    out = speculative(verifier, BudgetDrafter.create(drafter, budget, 190, scoring="keys"), prompt[None], 40, 4)
+    assert torch.equal(out.tokens, expected)
+    estimate = simulate_greedy(draft_matches(drafter, prompt, expected[0], budget, scoring="keys"), gamma=4)
+    assert estimate == speculative_acceptance(verifier, drafter, prompt, 40, budget, gamma=4, scoring="keys")
+
+
+def test_the_grid_compares_chunk_rules(pair):
+    verifier, drafter, _ = pair
+    grid = acceptance_grid(verifier, {"trained": drafter}, ByteTokenizer(), contexts=(160,), budgets=(16, 32, None),
+                           new_tokens=16, scorings=("attention", "keys"))
+    assert sorted(map(str, zip(grid.budget, grid.scoring))) == sorted(map(str, [
+        (16, "attention"), (16, "keys"), (32, "attention"), (32, "keys"), ("full", "full")]))
+    table = robustness_from_grid(grid, (16, 32, None))
+    assert list(table.index.names) == ["drafter", "context", "scoring"] and len(table) == 2
+    assert table["full"].nunique() == 1  # the full cache has no chunk rule: one value, shown on both rows
+    with pytest.raises(SparsedraftError, match="chunk scoring must be one of"):
+        acceptance_grid(verifier, {"trained": drafter}, ByteTokenizer(), contexts=(160,), budgets=(16,),
+                        scorings=("mean",))

@@ -111,3 +111,24 @@ def test_a_drafter_of_another_verifier_or_a_damaged_one_is_refused_before_any_fo
     (run / "state.json").write_text("{ damaged")
     with pytest.raises(SparsedraftError, match="not readable JSON"):
         decode(tiny_model("llama"), prompt, "budgetdraft", 4, draft=str(run), budget=16, chunk_size=8)
+
+
+def test_a_drafter_trained_on_key_scored_views_drafts_with_key_scoring_by_default(tmp_path, monkeypatch):
+    from sparsedraft import decode
+    from sparsedraft.caches.budget import BudgetCache
+    verifier = tiny_model("llama")
+    train_drafter(config(tmp_path, "keys", steps=1, scoring="keys"), verifier, progress=False)
+    used = []
+    original = BudgetCache.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        used.append(self.scoring)
+
+    monkeypatch.setattr(BudgetCache, "__init__", spy)
+    prompt = torch.arange(1, 100)[None]
+    expected = decode(verifier, prompt, "ar", 8).tokens
+    for asked, want in (("", "keys"), ("attention", "attention")):
+        out = decode(verifier, prompt, "budgetdraft", 8, draft=str(tmp_path / "keys"), budget=16, chunk_size=8,
+                     chunk_scoring=asked)
+        assert torch.equal(out.tokens, expected) and used[-1] == want

@@ -69,3 +69,44 @@ def test_budget_covering_the_prefix_is_the_full_view():
         full = full_forward(model, tokens)
         sparse = sparse_forward(model, tokens, full, 40, 40, CHUNK, WINDOW)
     torch.testing.assert_close(sparse, full.logits[:, 40:], atol=1e-5, rtol=0)
+
+
+def test_key_scored_view_equals_key_scored_drafting_with_a_choice_per_kv_head():
+    """The public code's rule (mean key vs last key, per KV head): the training view masks each KV head's own
+    chunks and still gives the drafting logits."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    tokens = torch.randint(0, 256, (2, PREFIX + DRAFTED), generator=torch.Generator().manual_seed(2))
+    cache = BudgetCache(model.cfg, BUDGET, tokens.shape[1], CHUNK, WINDOW, batch=2, scoring="keys")
+    with torch.no_grad():
+        budget_prefill(model, cache, tokens[:, :PREFIX])
+        drafted = torch.cat([model(tokens[:, t:t + 1], cache=cache) for t in range(PREFIX, tokens.shape[1])], 1)
+        full = full_forward(model, tokens)
+        view = sparse_forward(model, tokens, full, PREFIX, BUDGET, CHUNK, WINDOW, scoring="keys")
+    torch.testing.assert_close(view, drafted, atol=1e-5, rtol=0)
+    kept = kept_prefix(model, full.queries, full.view.keys, PREFIX, BUDGET, CHUNK, WINDOW, scoring="keys")
+    stop = PREFIX // CHUNK * CHUNK
+    for layer in range(3):
+        assert kept[layer].shape == (2, model.cfg.num_kv_heads, PREFIX)
+        chunks = kept[layer][..., :stop:CHUNK]
+        assert [[head.nonzero()[:, 0].tolist() for head in row] for row in chunks] == cache.chosen[layer].tolist()
+    assert any(not torch.equal(kept[layer][:, 0], kept[layer][:, 1]) for layer in range(3))  # heads differ
+    other = sparse_forward(model, tokens, full, PREFIX, BUDGET, CHUNK, WINDOW)  # the attention rule
+    assert not torch.allclose(other, view)  # the rule matters here, so the equality above is not vacuous
+
+
+def test_a_mask_per_kv_head_reaches_every_query_head_of_its_group():
+    """attention() with a [B, KV, T, S] mask: the fused path, the explicit one and a per-head loop agree."""
+    from sparsedraft.model import attention
+    g = torch.Generator().manual_seed(5)
+    b, kv, group, t, s, d = 2, 2, 3, 4, 10, 8
+    q, k, v = (torch.randn(b, kv * group, t, d, generator=g), torch.randn(b, kv, s, d, generator=g),
+               torch.randn(b, kv, s, d, generator=g))
+    mask = torch.rand(b, kv, t, s, generator=g) > 0.4
+    mask[..., -1] = True  # every query sees at least one key
+    fused, _ = attention(q, k, v, mask, 0.3)
+    explicit, _ = attention(q, k, v, mask, 0.3, need_weights=True)
+    for head in range(kv * group):
+        scores = (q[:, head] @ k[:, head // group].transpose(-1, -2)) * 0.3
+        want = scores.masked_fill(~mask[:, head // group], float("-inf")).softmax(-1) @ v[:, head // group]
+        torch.testing.assert_close(fused[:, head], want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(explicit[:, head], want, atol=1e-5, rtol=0)

@@ -23,6 +23,7 @@ import torch
 from .budgetdraft.checkpoint import check_drafter_for, has_checkpoint, load_drafter, read_state
 from .budgetdraft.drafter import BudgetDrafter
 from .caches import StreamingCache, rebuild_policy
+from .caches.budget import SCORINGS
 from .caches.retrieval import GROUP_REDUCTIONS
 from .caches.streaming import POSITION_MODES
 from .config import ModelConfig
@@ -53,6 +54,18 @@ def _check_trained_budget(draft: Any, budget: int) -> None:
     trained = read_state(Path(draft))["config"]["budgets"]
     require(budget in trained, f"budget {budget} was not among the budgets {list(trained)} the drafter in {draft} "
                                "was trained on; pick one of those or train with this budget")
+
+
+CHUNK_SCORINGS = ("", *SCORINGS)  # "": the drafter's training rule (attention for anything but a run folder)
+
+
+def _chunk_scoring(draft: Any, chunk_scoring: str) -> str:
+    """The budget cache's chunk rule: the one asked for, else the one the run folder's drafter trained with."""
+    if chunk_scoring:
+        return chunk_scoring
+    if isinstance(draft, str) and has_checkpoint(Path(draft)):
+        return read_state(Path(draft))["config"].get("scoring", "attention")
+    return "attention"
 
 
 def _check_draft_source(draft: Any, cfg: ModelConfig) -> None:
@@ -118,10 +131,15 @@ class SpecOptions(StreamingDraftOptions):
     gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
     budget: int = field(default=1024, metadata={"help": "tokens of a budget draft cache (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "chunk size of a budget draft cache"})
+    chunk_scoring: str = field(default="", metadata={
+        "help": "how a budget draft cache ranks chunks: attention (observation window, per layer), keys (mean "
+                "key vs last key, per KV head); empty: the drafter's training rule", "choices": CHUNK_SCORINGS})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_draft(self.draft)
+        require(self.chunk_scoring in CHUNK_SCORINGS,
+                f"chunk_scoring must be one of {CHUNK_SCORINGS} (empty: the drafter's own), got {self.chunk_scoring!r}")
         require(self.draft_cache in DRAFT_CACHES, f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         require(self.gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {self.gamma}")
         require(not (self.draft == SELF and self.draft_cache == "full"),
@@ -149,10 +167,15 @@ class BudgetDraftOptions:
     budget: int = field(default=1024, metadata={"help": "drafter KV budget in tokens (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "chunk size of the budget cache"})
     gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
+    chunk_scoring: str = field(default="", metadata={
+        "help": "how the budget cache ranks chunks: attention (observation window, per layer), keys (mean key vs "
+                "last key, per KV head); empty: the drafter's training rule", "choices": CHUNK_SCORINGS})
 
     def __post_init__(self) -> None:
         _check_draft(self.draft)
         require(self.draft != "ngram", "budgetdraft needs a draft model, not prompt lookup (ngram)")
+        require(self.chunk_scoring in CHUNK_SCORINGS,
+                f"chunk_scoring must be one of {CHUNK_SCORINGS} (empty: the drafter's own), got {self.chunk_scoring!r}")
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
@@ -256,7 +279,8 @@ def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sampli
     if draft is None or isinstance(draft, Drafter):
         drafter = _level1(draft, target)
     elif opts.draft_cache == "budget":
-        drafter = BudgetDrafter.create(draft, opts.budget, prompt.shape[1] + n, opts.chunk_size)
+        drafter = BudgetDrafter.create(draft, opts.budget, prompt.shape[1] + n, opts.chunk_size,
+                                       scoring=_chunk_scoring(opts.draft, opts.chunk_scoring))
     elif opts.draft_cache == "streaming":
         drafter = ModelDrafter(draft, StreamingCache(draft.cfg, opts.sink, opts.window, opts.gamma, dtype=draft.dtype,
                                                      device=draft.device, rotary=draft.rotary,
@@ -270,7 +294,7 @@ def run_budgetdraft(target: Transformer, prompt: torch.Tensor, n: int, sampling:
                     opts: BudgetDraftOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     return run_spec(target, prompt, n, sampling,
                     SpecOptions(draft=opts.draft, draft_cache="budget", gamma=opts.gamma, budget=opts.budget,
-                                chunk_size=opts.chunk_size), eos, prefilled)
+                                chunk_size=opts.chunk_size, chunk_scoring=opts.chunk_scoring), eos, prefilled)
 
 
 def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,

@@ -62,7 +62,8 @@ class RMSNorm(nn.Module):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Causal | None,
               scale: float, need_weights: bool = False):
-    """q [B, H, T, D], k/v [B, KV, S, D], mask None, :data:`~sparsedraft.cache.CAUSAL` or bool [B, 1, T, S].
+    """q [B, H, T, D], k/v [B, KV, S, D], mask None, :data:`~sparsedraft.cache.CAUSAL` or bool [B, 1, T, S]
+    (or [B, KV, T, S]: one mask per KV head, shared by its group's query heads).
 
     Returns (out [B, H, T, D], weights [B, H, T, S] or None). Paths, first that applies:
     explicit softmax when weights are asked for; flash-attn on CUDA (fp16/bf16);
@@ -82,7 +83,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         qg = q.reshape(b, kv, g * t, d)
         scores = (qg @ k.transpose(-1, -2)).float() * scale
         if mask is not None:
-            mg = mask[:, :, None].expand(b, -1, g, -1, -1).reshape(b, 1, g * t, -1)
+            mg = mask[:, :, None].expand(b, -1, g, -1, -1).reshape(b, mask.shape[1], g * t, -1)
             scores = scores.masked_fill(~mg, float("-inf"))
         w = scores.softmax(-1)
         out = (w.to(v.dtype) @ v).reshape(b, h, t, -1)
@@ -123,6 +124,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     """
     b, h, t, d = q.shape
     kv, s = k.shape[1], k.shape[2]
+    if isinstance(mask, torch.Tensor) and 1 < mask.shape[1] < h:  # per KV head: each query head takes its group's
+        mask = mask.repeat_interleave(h // mask.shape[1], dim=1)
     if t == 1 and mask is None:
         out = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv, d), k, v, scale=scale)
         return out.reshape(b, h, t, d)

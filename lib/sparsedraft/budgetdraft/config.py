@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..caches.budget import BUDGETS, check_budget
+from ..caches.budget import BUDGETS, SCORINGS, check_budget, check_scoring
 from ..errors import require
 
 VIEW_VERSION = 2  # the sparse training view; checkpoints of another version are refused (see checkpoint.py)
@@ -44,6 +44,10 @@ class TrainConfig:
     chunk_size: int = field(default=8, metadata={"help": "tokens per chunk of the sparse view"})
     obs_window: int = field(default=32, metadata={
         "help": "queries before the prefix's partial chunk that score chunks"})
+    scoring: str = field(default="attention", metadata={
+        "help": "chunk rule of the sparse view: attention (the observation window's, per layer) or keys (each "
+                "chunk's mean key vs the last prefix key, per KV head: BudgetDraft's public code)",
+        "choices": SCORINGS})
     seq_len: int = field(default=2176, metadata={"help": "tokens per training window (prefix + continuation)"})
     continuation: int = field(default=64, metadata={
         "help": "last tokens of each window drafted through the sparse view (L_C); the rest is the prefix "
@@ -76,6 +80,7 @@ class TrainConfig:
         for budget in self.budgets:
             check_budget(budget, self.chunk_size)
         require(self.obs_window >= 1, f"obs_window must be >= 1, got {self.obs_window}")
+        check_scoring(self.scoring)
         require(bool(self.drafter_init), f"drafter_init must be one of {INITS} or a model spec, got ''")
         require(self.layers >= 1, f"layers must be >= 1, got {self.layers}")
         require(self.continuation >= 1, f"continuation must be >= 1 token, got {self.continuation}")
@@ -100,7 +105,10 @@ class TrainConfig:
 
     def shaping(self) -> dict[str, Any]:
         """Fields that decide the weights after a given step (``steps`` is left out so a run can be extended)."""
-        return {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
+        shaping = {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
+        if shaping["scoring"] == "attention":  # the rule every run had before the option: their names stay
+            del shaping["scoring"]
+        return shaping
 
     @property
     def run_name(self) -> str:

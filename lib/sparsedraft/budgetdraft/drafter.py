@@ -30,11 +30,17 @@ def budget_prefill(model: Transformer, cache: BudgetCache, tokens: torch.Tensor,
     ``obs_window + chunk_size - 1`` tokens) go through in one forward whose
     attention weights [B, H, tokens, T] are captured: small for a drafter, and
     only the window's rows over the keys before the partial chunk are scored.
+    A cache scoring chunks by keys (``scoring="keys"``) needs no attention: the
+    whole prompt is a plain chunked prefill, then the cache selects from its keys.
     """
     require(isinstance(cache, BudgetCache), f"budget_prefill fills a BudgetCache, got {type(cache).__name__}")
     require(tokens.dim() == 2 and tokens.shape[1] >= 1, f"tokens must be [batch, T >= 1], got {tuple(tokens.shape)}")
-    start, stop = observation_window(tokens.shape[1], cache.chunk_size, cache.obs_window)
     cache.open_prefix()
+    if cache.scoring == "keys":
+        logits = prefill(model, cache, tokens, chunk)
+        cache.select()
+        return logits
+    start, stop = observation_window(tokens.shape[1], cache.chunk_size, cache.obs_window)
     if start:
         prefill(model, cache, tokens[:, :start], chunk)
     capture = Capture(layers=set(range(model.cfg.num_layers)), weights=True)
@@ -52,9 +58,9 @@ class BudgetDrafter(ModelDrafter):
 
     @classmethod
     def create(cls, model: Transformer, budget: int, max_len: int, chunk_size: int = 8,
-               obs_window: int = 32) -> "BudgetDrafter":
+               obs_window: int = 32, scoring: str = "attention") -> "BudgetDrafter":
         """A drafter with a fresh batch-1 cache on the model's device and dtype."""
-        return cls(model, BudgetCache(model.cfg, budget, max_len, chunk_size, obs_window,
+        return cls(model, BudgetCache(model.cfg, budget, max_len, chunk_size, obs_window, scoring=scoring,
                                       dtype=model.dtype, device=model.device))
 
     def check(self, context: int) -> None:

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 import pandas as pd
 import torch
 
-from ..caches.budget import BUDGETS, BudgetCache
+from ..caches.budget import BUDGETS, BudgetCache, check_scoring
 from ..data import Tokenizer, prompt_tokens
 from ..errors import require
 from ..generate import generate, prefill
@@ -62,12 +62,13 @@ def greedy_continuation(verifier: Transformer, prompt: torch.Tensor, new_tokens:
 
 @torch.inference_mode()
 def draft_matches(drafter: Transformer, prompt: torch.Tensor, continuation: torch.Tensor, budget: int | None,
-                  chunk_size: int = 8, obs_window: int = 32) -> torch.Tensor:
+                  chunk_size: int = 8, obs_window: int = 32, scoring: str = "attention") -> torch.Tensor:
     """bool [N]: the drafter's argmax after ``prompt + continuation[:j]`` equals ``continuation[j]``.
 
     ``budget=None`` drafts with a full cache. The prefill stops before the
     last prompt token, as :class:`BudgetDrafter` does, so the selection is the
-    one the speculative run would make.
+    one the speculative run would make. ``scoring`` is the cache's chunk rule
+    (:data:`~sparsedraft.caches.budget.SCORINGS`).
     """
     require(prompt.numel() >= 2 and continuation.numel() >= 1,
             f"need a prompt of >= 2 tokens and a continuation of >= 1, got {prompt.numel()} and {continuation.numel()}")
@@ -78,7 +79,8 @@ def draft_matches(drafter: Transformer, prompt: torch.Tensor, continuation: torc
         cache = drafter.new_cache(total)
         prefill(drafter, cache, body)
     else:
-        cache = BudgetCache(drafter.cfg, budget, total, chunk_size, obs_window, dtype=drafter.dtype, device=device)
+        cache = BudgetCache(drafter.cfg, budget, total, chunk_size, obs_window, dtype=drafter.dtype, device=device,
+                            scoring=scoring)
         budget_prefill(drafter, cache, body)
     fed = torch.cat((prompt[-1:], continuation[:-1]))[None].to(device)
     logits = drafter(fed, cache=cache)
@@ -102,9 +104,10 @@ def simulate_greedy(matches: torch.Tensor, gamma: int) -> AcceptanceStats:
 
 
 def speculative_acceptance(verifier: Transformer, drafter: Transformer, prompt: torch.Tensor, new_tokens: int,
-                           budget: int, gamma: int = 4, chunk_size: int = 8, obs_window: int = 32) -> AcceptanceStats:
+                           budget: int, gamma: int = 4, chunk_size: int = 8, obs_window: int = 32,
+                           scoring: str = "attention") -> AcceptanceStats:
     """The real greedy speculative decoder with a :class:`BudgetDrafter` (slower; the reference)."""
-    draft = BudgetDrafter.create(drafter, budget, prompt.numel() + new_tokens, chunk_size, obs_window)
+    draft = BudgetDrafter.create(drafter, budget, prompt.numel() + new_tokens, chunk_size, obs_window, scoring)
     stats = speculative(verifier, draft, prompt[None], new_tokens, gamma).stats
     level = stats.levels[-1]
     return AcceptanceStats(level.drafted, level.accepted, level.verifications, stats.generated)
@@ -125,23 +128,30 @@ def check_trained_budgets(budgets: Sequence[int | None], trained_budgets: Sequen
 
 def acceptance_rows(verifier: Transformer, drafters: Mapping[str, Transformer], prompts: Sequence[torch.Tensor],
                     budgets: Sequence[int | None], new_tokens: int = 64, gamma: int = 4, chunk_size: int = 8,
-                    obs_window: int = 32, trained_budgets: Sequence[int] | None = None) -> list[dict]:
-    """One row per (prompt, drafter, budget); ``None`` in ``budgets`` is the drafter's full cache.
+                    obs_window: int = 32, trained_budgets: Sequence[int] | None = None,
+                    scorings: Sequence[str] = ("attention",)) -> list[dict]:
+    """One row per (prompt, drafter, budget, chunk scoring); ``None`` in ``budgets`` is the drafter's full cache
+    (scored once: it keeps every chunk).
 
     ``trained_budgets``: the budgets the trained drafters saw (see :func:`check_trained_budgets`).
     A :func:`~sparsedraft.progress.bar` counts the rows when bars are on.
     """
     check_trained_budgets(budgets, trained_budgets)
+    require(len(scorings) >= 1 and len(set(scorings)) == len(scorings), f"name distinct scorings, got {scorings}")
+    for scoring in scorings:
+        check_scoring(scoring)
+    cells = [(budget, scoring) for budget in budgets for scoring in (scorings if budget is not None else scorings[:1])]
     rows = []
-    with bar(total=len(prompts) * len(drafters) * len(budgets), desc="acceptance", unit="row") as progress:
+    with bar(total=len(prompts) * len(drafters) * len(cells), desc="acceptance", unit="row") as progress:
         for p, prompt in enumerate(prompts):
             continuation = greedy_continuation(verifier, prompt, new_tokens)
             for name, drafter in drafters.items():
-                for budget in budgets:
-                    matches = draft_matches(drafter, prompt, continuation, budget, chunk_size, obs_window)
+                for budget, scoring in cells:
+                    matches = draft_matches(drafter, prompt, continuation, budget, chunk_size, obs_window, scoring)
                     stats = simulate_greedy(matches, gamma)
                     rows.append({"drafter": name, "context": prompt.numel() + new_tokens, "prompt": p,
                                  "budget": "full" if budget is None else budget, "gamma": gamma,
+                                 "scoring": scoring if budget is not None else "full",
                                  "top1_agreement": float(matches.float().mean()), **stats.to_dict()})
                     progress.update(1)
     return rows
@@ -151,8 +161,8 @@ def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], 
                     contexts: Sequence[int] = (1024, 2048, 4096, 8192), budgets: Sequence[int | None] = BUDGETS,
                     new_tokens: int = 64, gamma: int = 4, prompts: int = 1, split: str = "heldout",
                     chunk_size: int = 8, obs_window: int = 32,
-                    trained_budgets: Sequence[int] | None = None) -> pd.DataFrame:
-    """Acceptance per (context, drafter, budget), averaged over ``prompts`` held-out windows.
+                    trained_budgets: Sequence[int] | None = None, scorings: Sequence[str] = ("attention",)) -> pd.DataFrame:
+    """Acceptance per (context, drafter, budget, chunk scoring), averaged over ``prompts`` held-out windows.
 
     ``context`` counts prompt + generated tokens, so it must fit the verifier's
     context limit; budgets at or above a context are full caches. Pass the
@@ -168,9 +178,9 @@ def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], 
     for context in bar(contexts, desc="acceptance grid", unit="context", show=len(contexts) > 1):
         texts = [prompt_tokens(tokenizer, context - new_tokens, split=split, variant=v) for v in range(prompts)]
         rows += acceptance_rows(verifier, drafters, texts, budgets, new_tokens, gamma, chunk_size, obs_window,
-                                trained_budgets)
+                                trained_budgets, scorings)
     frame = pd.DataFrame(rows)
-    keys = ["drafter", "context", "budget", "gamma"]
+    keys = ["drafter", "context", "budget", "gamma", "scoring"]
     return frame.groupby(keys, sort=False)[["acceptance_rate", "tokens_per_verification", "top1_agreement"]] \
         .mean().reset_index()
 
@@ -178,7 +188,8 @@ def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], 
 def robustness_table(verifier: Transformer, drafters: Mapping[str, Transformer], tokenizer: Tokenizer,
                      contexts: Sequence[int] = (4096, 8192), budgets: Sequence[int | None] = BUDGETS,
                      new_tokens: int = 64, gamma: int = 4, prompts: int = 1, chunk_size: int = 8,
-                     obs_window: int = 32, trained_budgets: Sequence[int] | None = None) -> pd.DataFrame:
+                     obs_window: int = 32, trained_budgets: Sequence[int] | None = None,
+                     scorings: Sequence[str] = ("attention",)) -> pd.DataFrame:
     """The paper's robustness view: acceptance rate, one row per drafter and context, one column per budget.
 
     ``drafters`` would hold e.g. {"naive": untrained init, "lambda=0": L_A-only, "budgetdraft": L_A + L_C}
@@ -186,7 +197,8 @@ def robustness_table(verifier: Transformer, drafters: Mapping[str, Transformer],
     removes. ``None`` in ``budgets`` adds the drafter's full cache as a "full" column (left out of the spread).
     """
     grid = acceptance_grid(verifier, drafters, tokenizer, contexts, list(budgets), new_tokens, gamma, prompts,
-                           chunk_size=chunk_size, obs_window=obs_window, trained_budgets=trained_budgets)
+                           chunk_size=chunk_size, obs_window=obs_window, trained_budgets=trained_budgets,
+                           scorings=scorings)
     return robustness_from_grid(grid, budgets)
 
 
@@ -197,7 +209,12 @@ def robustness_from_grid(grid: pd.DataFrame, budgets: Sequence[int | None]) -> p
     columns = ["full" if b is None else b for b in budgets]
     missing = sorted(set(map(str, columns)) - set(map(str, grid.budget.unique())))
     require(not missing, f"the grid has no rows for budgets {missing}; evaluate them with acceptance_grid first")
-    table = grid.pivot_table(index=["drafter", "context"], columns="budget", values="acceptance_rate", sort=False)
+    scorings = [s for s in grid.get("scoring", pd.Series(dtype=str)).unique() if s != "full"]
+    if len(scorings) > 1:  # one row per scoring, its full-cache column repeated from the scoring-free rows
+        full = grid[grid.budget == "full"]
+        grid = pd.concat([grid[grid.budget != "full"]] + [full.assign(scoring=s) for s in scorings])
+    index = ["drafter", "context"] + (["scoring"] if len(scorings) > 1 else [])
+    table = grid.pivot_table(index=index, columns="budget", values="acceptance_rate", sort=False)
     table = table[columns]
     sparse = table[[b for b in budgets if b is not None]]
     table["spread"] = sparse.max(axis=1) - sparse.min(axis=1)

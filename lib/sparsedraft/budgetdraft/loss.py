@@ -70,9 +70,9 @@ def full_forward(model: Transformer, tokens: torch.Tensor) -> FullPass:
 
 
 def sparse_forward(model: Transformer, tokens: torch.Tensor, full: FullPass, prefix_len: int, budget: int,
-                   chunk_size: int, obs_window: int) -> torch.Tensor:
+                   chunk_size: int, obs_window: int, scoring: str = "attention") -> torch.Tensor:
     """Logits [B, T - prefix_len, V] of the continuation drafted through the budget-``budget`` view."""
-    kept = kept_prefix(model, full.queries, full.view.keys, prefix_len, budget, chunk_size, obs_window)
+    kept = kept_prefix(model, full.queries, full.view.keys, prefix_len, budget, chunk_size, obs_window, scoring)
     positions = torch.arange(prefix_len, tokens.shape[1], device=tokens.device)
     return model(tokens[:, prefix_len:], positions, cache=BudgetView(full.view.keys, full.view.values, kept))
 
@@ -89,7 +89,7 @@ def check_view(model: Transformer, tokens: torch.Tensor, prefix_len: int) -> Non
 
 def budgetdraft_loss(model: Transformer, tokens: torch.Tensor, targets: torch.Tensor, lam: float, budget: int,
                      prefix_len: int, chunk_size: int, obs_window: int,
-                     positions: torch.Tensor | None = None) -> LossParts:
+                     positions: torch.Tensor | None = None, scoring: str = "attention") -> LossParts:
     """tokens, targets [B, T]; ``positions`` [P] (default all) get L_A; L_C covers positions >= prefix_len."""
     check_view(model, tokens, prefix_len)
     wanted = targets if positions is None else targets[:, positions]
@@ -98,20 +98,20 @@ def budgetdraft_loss(model: Transformer, tokens: torch.Tensor, targets: torch.Te
     full = F.cross_entropy(full_pass.logits.flatten(0, 1).float(), wanted.flatten())
     if lam == 0:
         return LossParts(full, full.item(), None)
-    logits = sparse_forward(model, tokens, full_pass, prefix_len, budget, chunk_size, obs_window)
+    logits = sparse_forward(model, tokens, full_pass, prefix_len, budget, chunk_size, obs_window, scoring)
     sparse = F.cross_entropy(logits.flatten(0, 1).float(), targets[:, prefix_len:].flatten())
     return LossParts(full + lam * sparse, full.item(), sparse.item())
 
 
 @torch.no_grad()
 def agreement(model: Transformer, tokens: torch.Tensor, targets: torch.Tensor, budgets: Sequence[int],
-              prefix_len: int, chunk_size: int, obs_window: int) -> dict[str, float]:
+              prefix_len: int, chunk_size: int, obs_window: int, scoring: str = "attention") -> dict[str, float]:
     """Top-1 agreement with the teacher on the continuation, full view ("full") and per budget: the acceptance proxy."""
     check_view(model, tokens, prefix_len)
     full_pass = full_forward(model, tokens)
     wanted = targets[:, prefix_len:]
     out = {"full": float((full_pass.logits[:, prefix_len:].argmax(-1) == wanted).float().mean())}
     for budget in budgets:
-        logits = sparse_forward(model, tokens, full_pass, prefix_len, budget, chunk_size, obs_window)
+        logits = sparse_forward(model, tokens, full_pass, prefix_len, budget, chunk_size, obs_window, scoring)
         out[str(budget)] = float((logits.argmax(-1) == wanted).float().mean())
     return out

@@ -97,7 +97,7 @@ def held_out_agreement(cfg: TrainConfig, drafter: Transformer, data: Data) -> di
     drafter.eval()
     device = drafter.device
     scores = [agreement(drafter, data.held_out[i:i + 1].to(device), data.held_targets[i:i + 1].to(device),
-                        cfg.budgets, cfg.prefix_len, cfg.chunk_size, cfg.obs_window)
+                        cfg.budgets, cfg.prefix_len, cfg.chunk_size, cfg.obs_window, cfg.scoring)
               for i in range(len(data.held_out))]
     drafter.train(was_training)
     return {k: sum(s[k] for s in scores) / len(scores) for k in scores[0]} if scores else {}
@@ -114,7 +114,7 @@ def train_step(cfg: TrainConfig, drafter: Transformer, optimizer: torch.optim.Op
     device = drafter.device
     parts = budgetdraft_loss(drafter, data.windows[index].to(device), data.targets[index].to(device), cfg.lam,
                              budget, cfg.prefix_len, cfg.chunk_size, cfg.obs_window,
-                             None if positions is None else positions.to(device))
+                             None if positions is None else positions.to(device), cfg.scoring)
     parts.total.backward()
     if cfg.grad_clip:
         torch.nn.utils.clip_grad_norm_(trainable_parameters(drafter).values(), cfg.grad_clip)
@@ -193,4 +193,5 @@ def final_acceptance(cfg: TrainConfig, verifier: Transformer, drafter: Transform
     prompt = prompt_tokens(tokenizer, cfg.final_context - cfg.final_tokens, split="heldout")
     budgets = [b for b in cfg.budgets if b < prompt.numel()] + [None]
     return acceptance_rows(verifier, {"drafter": drafter}, [prompt], budgets, cfg.final_tokens,
-                           chunk_size=cfg.chunk_size, obs_window=cfg.obs_window, trained_budgets=cfg.budgets)
+                           chunk_size=cfg.chunk_size, obs_window=cfg.obs_window, trained_budgets=cfg.budgets,
+                           scorings=(cfg.scoring,))

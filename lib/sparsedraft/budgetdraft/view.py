@@ -27,34 +27,41 @@ from typing import Mapping
 import torch
 
 from ..cache import KVCache, SequenceView, causal_mask
-from ..caches.budget import check_budget, choose_chunks, observation_window
+from ..caches.budget import check_budget, check_scoring, choose_chunks, choose_chunks_by_keys, observation_window
 from ..errors import require
 from ..model import Transformer, attention
 
 
 @torch.no_grad()
 def kept_prefix(model: Transformer, queries: Mapping[int, torch.Tensor], keys: Mapping[int, torch.Tensor],
-                prefix_len: int, budget: int, chunk_size: int, obs_window: int) -> dict[int, torch.Tensor]:
-    """{layer: bool [B, prefix_len]}: the prefix keys a budget-``budget`` cache keeps, per layer.
+                prefix_len: int, budget: int, chunk_size: int, obs_window: int,
+                scoring: str = "attention") -> dict[int, torch.Tensor]:
+    """{layer: bool [B, prefix_len]} (``scoring="keys"``: [B, kv_heads, prefix_len]): the prefix keys a
+    budget-``budget`` cache keeps, per layer (and per KV head).
 
     ``queries`` [B, H, >= P, D] and ``keys`` [B, kv_heads, >= P, D] are the
     full forward's post-RoPE tensors. Only the observation window's attention
     is needed, so it is recomputed here by the model's own attention function
-    for those few rows instead of materialising [T, T] weights in the forward.
+    for those few rows instead of materialising [T, T] weights in the forward;
+    scoring by keys reads the keys alone (the last prefix key is the proxy).
     """
     check_budget(budget, chunk_size)
+    check_scoring(scoring)
     require(obs_window >= 1, f"obs_window must be >= 1 query, got {obs_window}")
     start, stop = observation_window(prefix_len, chunk_size, obs_window)
     positions = torch.arange(stop, device=model.device)
     kept = {}
     for layer, q in queries.items():
         k = keys[layer][:, :, :stop]
-        mask = causal_mask(positions[None, start:], positions[None], None).expand(q.shape[0], -1, -1, -1)
-        _, weights = attention(q[:, :, start:stop], k, k, mask, model.layers[layer].self_attn.scale,
-                               need_weights=True)  # the values do not matter: only the weights are read
-        chunks = choose_chunks(weights, budget, chunk_size)  # [B, stop // C]
-        partial = chunks.new_ones(chunks.shape[0], prefix_len - stop)
-        kept[layer] = torch.cat((chunks.repeat_interleave(chunk_size, dim=1), partial), dim=1)
+        if scoring == "keys":
+            chunks = choose_chunks_by_keys(k, keys[layer][:, :, prefix_len - 1], budget, chunk_size)  # [B, KV, n]
+        else:
+            mask = causal_mask(positions[None, start:], positions[None], None).expand(q.shape[0], -1, -1, -1)
+            _, weights = attention(q[:, :, start:stop], k, k, mask, model.layers[layer].self_attn.scale,
+                                   need_weights=True)  # the values do not matter: only the weights are read
+            chunks = choose_chunks(weights, budget, chunk_size)  # [B, stop // C]
+        partial = chunks.new_ones(*chunks.shape[:-1], prefix_len - stop)
+        kept[layer] = torch.cat((chunks.repeat_interleave(chunk_size, dim=-1), partial), dim=-1)
     return kept
 
 
@@ -76,8 +83,8 @@ class BudgetView(KVCache):
 
     ``keys``/``values``: {layer: [B, kv_heads, >= P, head_dim]} from a
     :class:`RecordingView` (only the first P are read); ``kept``: {layer: bool
-    [B, P]} from :func:`kept_prefix`. The forward through it takes the
-    continuation tokens at positions P, P+1, ...
+    [B, P] or, per KV head, [B, kv_heads, P]} from :func:`kept_prefix`. The
+    forward through it takes the continuation tokens at positions P, P+1, ...
     """
 
     def __init__(self, keys: Mapping[int, torch.Tensor], values: Mapping[int, torch.Tensor],
@@ -92,11 +99,12 @@ class BudgetView(KVCache):
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         kept = self.kept[layer]
-        b, p = kept.shape
+        kept = kept[:, None] if kept.dim() == 2 else kept  # [B, 1 or kv_heads, P]
+        b, heads, p = kept.shape
         n = k.shape[2]
         keys = torch.cat((self.keys[layer][:, :, :p], k), dim=2)
         values = torch.cat((self.values[layer][:, :, :p], v), dim=2)
-        mask = torch.cat((kept[:, None, None, :].expand(b, 1, n, p), self._tail.expand(b, 1, n, n)), dim=-1)
+        mask = torch.cat((kept[:, :, None, :].expand(b, heads, n, p), self._tail.expand(b, heads, n, n)), dim=-1)
         return keys, values, mask
 
     def end(self) -> None:

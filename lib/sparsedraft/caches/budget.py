@@ -12,10 +12,13 @@ with):
   ``c = prefix_len // C`` (SnapKV's observation window).
 - A chunk's score, per layer, is the softmax attention weight those queries
   pay to its tokens, summed over the queries and over *all* query heads (so
-  over every KV group). One selection per layer, shared by its KV heads: the
-  model's attention mask is ``[B, 1, T, S]`` (broadcast over heads), so a
-  per-KV-head choice could not be expressed in the training view.
+  over every KV group). One selection per layer, shared by its KV heads.
 - The ``budget // C`` highest-scoring chunks are kept (ties: the earlier chunk).
+- ``scoring="keys"`` is the rule of BudgetDraft's public code instead: per
+  layer *and per KV head*, a chunk scores its mean key against the last
+  prefix key (the query's proxy; raw dot product, post-RoPE keys), chunk 0
+  (the attention sinks) is always kept, and no attention is needed, so the
+  cache selects from its own keys (:func:`choose_chunks_by_keys`).
 - Selection happens once, at the end of the prefix (:meth:`BudgetCache.select`),
   and is never refreshed: every token appended afterwards is kept, so a
   speculative rollback is only a length change (contextual locality makes one
@@ -44,6 +47,7 @@ from ..config import ModelConfig
 from ..errors import require
 
 BUDGETS = (256, 512, 1024, 2048)  # the paper's budget set; any multiple of the chunk size works
+SCORINGS = ("attention", "keys")  # cumulative observation-window attention per layer; mean key vs last key per head
 
 
 def check_budget(budget: int, chunk_size: int) -> None:
@@ -86,6 +90,27 @@ def choose_chunks(window_attention: torch.Tensor, budget: int, chunk_size: int) 
     return top_chunks(scores, budget // chunk_size)
 
 
+def check_scoring(scoring: str) -> None:
+    """Fail with the choices when a chunk-scoring rule is unknown."""
+    require(scoring in SCORINGS, f"chunk scoring must be one of {SCORINGS} (attention: the observation window's "
+                                 f"attention per layer; keys: mean key vs last key per KV head), got {scoring!r}")
+
+
+def choose_chunks_by_keys(keys: torch.Tensor, last: torch.Tensor, budget: int, chunk_size: int) -> torch.Tensor:
+    """keys [B, KV, stop, D] of the complete chunks, last [B, KV, D] the last prefix key -> bool [B, KV, stop // C].
+
+    Per KV head, a chunk's score is its mean key dotted with the last key (the
+    query's proxy), computed in fp32; chunk 0 always ranks first (it holds the
+    attention sinks), ties go to the earlier chunk (:func:`top_chunks`).
+    """
+    b, kv, stop, d = keys.shape
+    means = keys.float().reshape(b, kv, stop // chunk_size, chunk_size, d).mean(3)
+    scores = (means @ last.float()[..., None]).squeeze(-1)  # [B, KV, n]
+    if scores.shape[-1]:
+        scores[..., 0] = float("inf")
+    return top_chunks(scores, budget // chunk_size)
+
+
 class BudgetCache(KVCache):
     """Drafter cache holding ``budget`` tokens of the prefix (best chunks) plus every later token.
 
@@ -100,14 +125,17 @@ class BudgetCache(KVCache):
     """
 
     def __init__(self, cfg: ModelConfig, budget: int, max_len: int, chunk_size: int = 8, obs_window: int = 32,
-                 batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 scoring: str = "attention"):
         check_budget(budget, chunk_size)
+        check_scoring(scoring)
         require(obs_window >= 1, f"obs_window must be >= 1 query, got {obs_window}")
         require(max_len >= 1, f"max_len must be >= 1 (prompt + new tokens), got {max_len}")
         require(cfg.sliding_window is None,
                 f"BudgetCache does not support sliding-window attention (window {cfg.sliding_window}); "
                 "use a drafter without sliding_window")
         self.cfg, self.budget, self.chunk_size, self.obs_window = cfg, budget, chunk_size, obs_window
+        self.scoring = scoring
         self.max_len, self.batch = max_len, batch
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
@@ -119,7 +147,7 @@ class BudgetCache(KVCache):
         self.length = 0  # true position of the next token
         self.slots = 0  # filled buffer slots (== length until select)
         self.selected_at: int | None = None  # prefix length when select() ran; None while prefilling
-        self.chosen: list[torch.Tensor] = []  # per layer: [B, kept] chunk ids, ascending
+        self.chosen: list[torch.Tensor] = []  # per layer: [B, kept] chunk ids (keys: [B, KV, kept]), ascending
         self._open = False  # forwards before select() are allowed only after open_prefix()
         self._new = 0
         self._mask: torch.Tensor | None = None
@@ -174,34 +202,50 @@ class BudgetCache(KVCache):
         return observation_window(self.length, self.chunk_size, self.obs_window)
 
     @torch.no_grad()
-    def select(self, window_attention: Mapping[int, torch.Tensor]) -> None:
-        """Keep the best ``budget // chunk_size`` complete chunks per layer; from now on only append.
+    def select(self, window_attention: Mapping[int, torch.Tensor] | None = None) -> None:
+        """Keep the best ``budget // chunk_size`` complete chunks per layer (per KV head with ``scoring="keys"``);
+        from now on only append.
 
-        ``window_attention``: {layer: [B, heads, W, stop]} softmax weights of
-        the queries at the positions :meth:`observation_window` names over the
-        keys before ``stop`` (W may be 0 when the prefix has no complete chunk).
+        ``window_attention`` (``scoring="attention"`` only): {layer: [B, heads,
+        W, stop]} softmax weights of the queries at the positions
+        :meth:`observation_window` names over the keys before ``stop`` (W may
+        be 0 when the prefix has no complete chunk). ``scoring="keys"`` reads
+        the cache's own keys and takes none.
         """
         require(self.selected_at is None, "select() already ran since the last reset(); reset() and prefill again")
         start, stop = self.observation_window()
         cfg = self.cfg
-        require(set(window_attention) == set(range(cfg.num_layers)),
-                f"select() needs the attention of every layer 0..{cfg.num_layers - 1}, got layers "
-                f"{sorted(window_attention)}; capture them with Capture(layers=set(range(num_layers)), weights=True)")
-        expected = (self.batch, cfg.num_heads, stop - start, stop)
-        for layer, weights in window_attention.items():
-            require(tuple(weights.shape) == expected,
-                    f"attention of layer {layer} has shape {tuple(weights.shape)}, expected {expected}: queries "
-                    f"[{start}, {stop}) over keys [0, {stop}) of a {self.length}-token prefix")
-        cs = self.chunk_size
+        if self.scoring == "keys":
+            require(window_attention is None, "a BudgetCache scoring chunks by keys selects from its own keys; "
+                                              "call select() without attention")
+            require(self.length >= 1, "select() needs a prefilled prefix (its last key is the query's proxy)")
+        else:
+            require(window_attention is not None and set(window_attention) == set(range(cfg.num_layers)),
+                    f"select() needs the attention of every layer 0..{cfg.num_layers - 1}, got layers "
+                    f"{sorted(window_attention or {})}; capture them with "
+                    "Capture(layers=set(range(num_layers)), weights=True)")
+            expected = (self.batch, cfg.num_heads, stop - start, stop)
+            for layer, weights in window_attention.items():
+                require(tuple(weights.shape) == expected,
+                        f"attention of layer {layer} has shape {tuple(weights.shape)}, expected {expected}: queries "
+                        f"[{start}, {stop}) over keys [0, {stop}) of a {self.length}-token prefix")
+        cs, kv = self.chunk_size, cfg.num_kv_heads
         tail = torch.arange(stop, self.length, device=self.pos.device)
         self.chosen = []
         for layer in range(cfg.num_layers):
-            ids = choose_chunks(window_attention[layer], self.budget, cs).nonzero()[:, 1].view(self.batch, -1)
-            self.chosen.append(ids)  # ascending per row: position order
-            tokens = torch.cat(((ids[..., None] * cs + torch.arange(cs, device=ids.device)).flatten(1),
-                                tail.expand(self.batch, -1)), dim=1)
-            index = tokens[:, None, :, None].expand(-1, cfg.num_kv_heads, -1, cfg.head_dim)
-            kept = tokens.shape[1]
+            if self.scoring == "keys":
+                keep = choose_chunks_by_keys(self.k[layer][:, :, :stop], self.k[layer][:, :, self.length - 1],
+                                             self.budget, cs)
+                ids = keep.nonzero()[:, -1].view(self.batch, kv, -1)  # ascending per head: position order
+                self.chosen.append(ids)
+            else:
+                ids = choose_chunks(window_attention[layer], self.budget, cs).nonzero()[:, 1].view(self.batch, -1)
+                self.chosen.append(ids)  # ascending per row: position order
+                ids = ids[:, None].expand(-1, kv, -1)
+            tokens = torch.cat(((ids[..., None] * cs + torch.arange(cs, device=ids.device)).flatten(2),
+                                tail.expand(self.batch, kv, -1)), dim=2)
+            index = tokens[..., None].expand(-1, -1, -1, cfg.head_dim)
+            kept = tokens.shape[2]
             self.k[layer][:, :, :kept] = self.k[layer].gather(2, index)
             self.v[layer][:, :, :kept] = self.v[layer].gather(2, index)
         self.slots = min(self.budget // cs, stop // cs) * cs + tail.numel()
