@@ -27,8 +27,8 @@ with):
 With ``budget >= prefix_len`` nothing is dropped and the cache behaves exactly
 like a full :class:`~sparsedraft.cache.StaticCache`.
 
-The cache protocol hands a cache keys and values, never attention, so the
-cache cannot score its own chunks: whoever fills it (the drafter's prefill,
+The cache protocol hands a cache keys and values, never attention, so under
+the attention rule the cache cannot score its own chunks: whoever fills it (the drafter's prefill,
 :func:`sparsedraft.budgetdraft.drafter.budget_prefill`) opens the prefix with
 :meth:`BudgetCache.open_prefix`, runs the model over it capturing the
 observation window's attention, and passes that to :meth:`BudgetCache.select`.
