@@ -2,7 +2,7 @@
 
 - :class:`StreamingCache`: StreamingLLM sinks + recent window (TriForce's level-1 draft cache).
 - :class:`RetrievalCache`: TriForce's chunk-retrieval view of a full cache (level 2).
-- :class:`BudgetCache`: BudgetDraft's drafter cache (best prefix chunks by attention + every later token).
+- :class:`BudgetCache`: BudgetDraft's drafter cache (best prefix chunks by attention or by keys + every later token).
 - rebuild policies deciding when the retrieval view is rebuilt.
 """
 

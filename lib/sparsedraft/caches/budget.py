@@ -45,6 +45,7 @@ import torch
 from ..cache import KVCache, causal_mask
 from ..config import ModelConfig
 from ..errors import require
+from .retrieval import mean_key_scores
 
 BUDGETS = (256, 512, 1024, 2048)  # the paper's budget set; any multiple of the chunk size works
 SCORINGS = ("attention", "keys")  # cumulative observation-window attention per layer; mean key vs last key per head
@@ -103,9 +104,7 @@ def choose_chunks_by_keys(keys: torch.Tensor, last: torch.Tensor, budget: int, c
     query's proxy), computed in fp32; chunk 0 always ranks first (it holds the
     attention sinks), ties go to the earlier chunk (:func:`top_chunks`).
     """
-    b, kv, stop, d = keys.shape
-    means = keys.float().reshape(b, kv, stop // chunk_size, chunk_size, d).mean(3)
-    scores = (means @ last.float()[..., None]).squeeze(-1)  # [B, KV, n]
+    scores = mean_key_scores(keys, last[:, :, None], chunk_size)[:, :, 0]  # [B, KV, n]
     if scores.shape[-1]:
         scores[..., 0] = float("inf")
     return top_chunks(scores, budget // chunk_size)

@@ -57,6 +57,14 @@ from ..errors import require
 GROUP_REDUCTIONS = ("sum", "max", "recent")
 
 
+def mean_key_scores(keys: torch.Tensor, queries: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """keys [B, kv_heads, chunks * chunk_size, D], queries [B, kv_heads, G, D] (G per KV head) -> fp32 scores
+    [B, kv_heads, G, chunks]: each query against each chunk's mean key (raw dot product)."""
+    b, kv, n, d = keys.shape
+    means = keys.float().reshape(b, kv, n // chunk_size, chunk_size, d).mean(3)
+    return queries.float() @ means.transpose(-1, -2)
+
+
 class RetrievalCache(KVCache):
     """A fixed-size view of a full :class:`StaticCache`: best chunks, recent tokens, speculative tail.
 
@@ -177,9 +185,7 @@ class RetrievalCache(KVCache):
         if self.group_reduce == "recent":  # no query: the latest chunks rank first
             scores = torch.arange(chunks, dtype=torch.float32, device=keys.device).expand(b, kv, chunks).clone()
         else:
-            means = keys.float().reshape(b, kv, chunks, self.chunk_size, d).mean(3)
-            grouped = query.float().reshape(b, kv, self.cfg.group_size, d)
-            scores = grouped @ means.transpose(-1, -2)  # [B, kv_heads, group, chunks]
+            scores = mean_key_scores(keys, query.reshape(b, kv, self.cfg.group_size, d), self.chunk_size)
             scores = scores.sum(2) if self.group_reduce == "sum" else scores.amax(2)
         scores[..., 0] = float("inf")  # the sink chunk always stays
         return scores.topk(kept, dim=-1).indices
