@@ -81,6 +81,8 @@ def test_sampling_shortcuts_build_one_law(model):
     ("spec", {"draft": "truncated:9"}, "1 <= K"),
     ("spec", {"draft_cache": "budget"}, "needs a draft model"),
     ("budgetdraft", {"draft": "ngram"}, "draft model"),
+    ("budgetdraft", {"draft": "truncated:1", "chunk_scoring": "mean"}, "chunk_scoring must be one of"),
+    ("spec", {"draft": "truncated:1", "draft_cache": "streaming", "chunk_scoring": "keys"}, "ranks the chunks of a budget"),
 ])
 def test_bad_options_fail_before_any_forward(model, method, options, words, monkeypatch):
     def no_forward(*args, **kwargs):

@@ -59,6 +59,11 @@ def _check_trained_budget(draft: Any, budget: int) -> None:
 CHUNK_SCORINGS = ("", *SCORINGS)  # "": the drafter's training rule (attention for anything but a run folder)
 
 
+def _check_chunk_scoring(chunk_scoring: str) -> None:
+    require(chunk_scoring in CHUNK_SCORINGS,
+            f"chunk_scoring must be one of {CHUNK_SCORINGS} (empty: the drafter's own), got {chunk_scoring!r}")
+
+
 def _chunk_scoring(draft: Any, chunk_scoring: str) -> str:
     """The budget cache's chunk rule: the one asked for, else the one the run folder's drafter trained with."""
     if chunk_scoring:
@@ -138,8 +143,10 @@ class SpecOptions(StreamingDraftOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_draft(self.draft)
-        require(self.chunk_scoring in CHUNK_SCORINGS,
-                f"chunk_scoring must be one of {CHUNK_SCORINGS} (empty: the drafter's own), got {self.chunk_scoring!r}")
+        _check_chunk_scoring(self.chunk_scoring)
+        require(not self.chunk_scoring or self.draft_cache == "budget",
+                f"chunk_scoring {self.chunk_scoring!r} ranks the chunks of a budget draft cache; this draft cache is "
+                f"{self.draft_cache!r}: add draft_cache budget or drop chunk_scoring")
         require(self.draft_cache in DRAFT_CACHES, f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         require(self.gamma >= 1, f"gamma (draft tokens per verification) must be >= 1, got {self.gamma}")
         require(not (self.draft == SELF and self.draft_cache == "full"),
@@ -174,8 +181,7 @@ class BudgetDraftOptions:
     def __post_init__(self) -> None:
         _check_draft(self.draft)
         require(self.draft != "ngram", "budgetdraft needs a draft model, not prompt lookup (ngram)")
-        require(self.chunk_scoring in CHUNK_SCORINGS,
-                f"chunk_scoring must be one of {CHUNK_SCORINGS} (empty: the drafter's own), got {self.chunk_scoring!r}")
+        _check_chunk_scoring(self.chunk_scoring)
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
