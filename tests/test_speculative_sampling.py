@@ -151,3 +151,27 @@ def test_sampling_matches_target_law_with_real_caches(decoder):
         two[tokens] += 1
     first, pair = chi_square_pvalue(one, law_one, REAL_SAMPLES), chi_square_pvalue(two, law_two, REAL_SAMPLES)
     assert first > 0.01 and pair > 0.01, (first, pair)
+
+
+@pytest.mark.slow
+def test_sampling_matches_target_law_with_a_restricted_draft_head():
+    """A draft whose head scores 4 of the 8 tokens (q = 0 on the others, which keep target mass): the
+    residual distribution must return exactly that mass."""
+    from sparsedraft.prefilled import prefill_prompt
+    from sparsedraft.speculative.vocab import restrict_head
+    target, draft = real_models()
+    draft = restrict_head(draft, torch.tensor([0, 2, 5, 7]))
+    sampling = CONFIGS["t1.0"]
+    law_one, law_two = exact_real_law(target, sampling)
+    assert sum(law_one[(t,)] for t in (1, 3, 4, 6)) > 0.1  # the tokens the draft cannot propose matter here
+    shared = prefill_prompt(target, PROMPT)
+    one, two = Counter(), Counter()
+    for seed in range(REAL_SAMPLES):
+        cfg = SamplingConfig(sampling.temperature, sampling.top_p, seed=seed)
+        out = speculative(target, ModelDrafter(draft, draft.new_cache(PROMPT.shape[1] + NEW_TOKENS + GAMMA)), PROMPT,
+                          NEW_TOKENS, GAMMA, cfg, prefilled=shared)
+        tokens = tuple(out.tokens[0, :2].tolist())
+        one[tokens[:1]] += 1
+        two[tokens] += 1
+    first, pair = chi_square_pvalue(one, law_one, REAL_SAMPLES), chi_square_pvalue(two, law_two, REAL_SAMPLES)
+    assert first > 0.01 and pair > 0.01, (first, pair)

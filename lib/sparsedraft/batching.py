@@ -166,7 +166,8 @@ def run_batch(model: Transformer, rows: list[torch.Tensor], method: str, n: int,
     from .methods import METHODS
 
     def job(row: int, wrap):
-        row_opts = dataclasses.replace(opts, draft=wrap(draft)) if draft is not None else opts
+        restricted = {"draft_vocab": 0} if hasattr(opts, "draft_vocab") else {}  # load_draft applied it already
+        row_opts = dataclasses.replace(opts, draft=wrap(draft), **restricted) if draft is not None else opts
         row_sampling = sampling if sampling.greedy else dataclasses.replace(sampling, seed=sampling.seed + row)
         shared = prefilled[row] if prefilled is not None else None
         return METHODS[method].run(wrap(model), rows[row][None].to(model.device), n, row_sampling, row_opts, eos,

@@ -200,7 +200,7 @@ def _decode_batch(model: Transformer, rows: list[torch.Tensor], method: str, max
         _check_run(model, row[None], method, max_new_tokens, opts)
         if prefilled is not None:
             prefilled[b].check(model, row[None])
-    draft = load_draft(opts.draft, model) if hasattr(opts, "draft") else None  # once, shared by the rows
+    draft = load_draft(opts.draft, model, getattr(opts, "draft_vocab", 0)) if hasattr(opts, "draft") else None  # once
     require(draft is None or isinstance(draft, Transformer),
             "a Drafter object follows one sequence; for a batch pass the draft as a model or a source string")
     held = prefilled is not None and any(isinstance(p.cache, StaticCache) for p in prefilled)  # not on disk

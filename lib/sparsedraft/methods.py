@@ -34,6 +34,7 @@ from .prefilled import PrefilledPrompt
 from .sampling import SamplingConfig
 from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retrieval, speculative, triforce,
                           truncated_draft)
+from .speculative.vocab import frequent_tokens, restrict_head
 
 DRAFT_CACHES = ("full", "streaming", "budget")
 SELF = "self"  # the target drafts for itself over a sparse cache of its own (prefilled through it)
@@ -89,6 +90,22 @@ def _check_draft_source(draft: Any, cfg: ModelConfig) -> None:
                                f"(train-drafter writes one) or a model: {exc}") from exc
 
 
+def _check_draft_vocab(draft: Any, draft_vocab: int) -> None:
+    require(draft_vocab >= 0, f"draft_vocab must be >= 0 (0 keeps the draft's full head), got {draft_vocab}")
+    require(not draft_vocab or (draft != "ngram" and not isinstance(draft, Drafter)),
+            f"draft_vocab {draft_vocab} restricts a draft model's head; this draft ({draft!r}) has no head of its "
+            "own: pass a draft model or drop draft_vocab")
+
+
+def _check_draft_vocab_size(draft_vocab: int, cfg: ModelConfig) -> None:
+    require(draft_vocab < cfg.vocab_size, f"draft_vocab ({draft_vocab}) must be smaller than the model's vocabulary "
+                                          f"({cfg.vocab_size}); 0 keeps the full head")
+
+
+DRAFT_VOCAB_HELP = ("score only the N tokens most frequent in the essays' train split in the draft's head (q = 0 "
+                    "elsewhere: still lossless, a cheaper draft step); 0: the full head")
+
+
 def _check_budget(budget: int, chunk_size: int, prompt_len: int) -> None:
     require(chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size}")
     require(budget >= chunk_size and budget % chunk_size == 0,
@@ -136,6 +153,7 @@ class SpecOptions(StreamingDraftOptions):
     gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
     budget: int = field(default=1024, metadata={"help": "tokens of a budget draft cache (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "chunk size of a budget draft cache"})
+    draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
     chunk_scoring: str = field(default="", metadata={
         "help": "how a budget draft cache ranks chunks: attention (observation window, per layer), keys (mean "
                 "key vs last key, per KV head); empty: the drafter's training rule", "choices": CHUNK_SCORINGS})
@@ -143,6 +161,7 @@ class SpecOptions(StreamingDraftOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_draft(self.draft)
+        _check_draft_vocab(self.draft, self.draft_vocab)
         _check_chunk_scoring(self.chunk_scoring)
         require(not self.chunk_scoring or self.draft_cache == "budget",
                 f"chunk_scoring {self.chunk_scoring!r} ranks the chunks of a budget draft cache; this draft cache is "
@@ -157,6 +176,7 @@ class SpecOptions(StreamingDraftOptions):
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
         _check_draft_source(self.draft, cfg)
+        _check_draft_vocab_size(self.draft_vocab, cfg)
         if self.draft_cache == "budget":
             _check_budget(self.budget, self.chunk_size, prompt_len)
             _check_trained_budget(self.draft, self.budget)
@@ -174,6 +194,7 @@ class BudgetDraftOptions:
     budget: int = field(default=1024, metadata={"help": "drafter KV budget in tokens (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "chunk size of the budget cache"})
     gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
+    draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
     chunk_scoring: str = field(default="", metadata={
         "help": "how the budget cache ranks chunks: attention (observation window, per layer), keys (mean key vs "
                 "last key, per KV head); empty: the drafter's training rule", "choices": CHUNK_SCORINGS})
@@ -181,11 +202,13 @@ class BudgetDraftOptions:
     def __post_init__(self) -> None:
         _check_draft(self.draft)
         require(self.draft != "ngram", "budgetdraft needs a draft model, not prompt lookup (ngram)")
+        _check_draft_vocab(self.draft, self.draft_vocab)
         _check_chunk_scoring(self.chunk_scoring)
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
         _check_draft_source(self.draft, cfg)
+        _check_draft_vocab_size(self.draft_vocab, cfg)
         _check_budget(self.budget, self.chunk_size, prompt_len)
         _check_trained_budget(self.draft, self.budget)
 
@@ -232,11 +255,13 @@ class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
                 "cache); from Python also a Transformer or Drafter"})
     gamma1: int = field(default=4, metadata={"help": "level-1 draft tokens per level-2 verification"})
     gamma2: int = field(default=8, metadata={"help": "level-2 tokens per full-target verification"})
+    draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
 
     def __post_init__(self) -> None:
         RetrievalCacheOptions.__post_init__(self)
         StreamingDraftOptions.__post_init__(self)
         _check_draft(self.draft)
+        _check_draft_vocab(self.draft, self.draft_vocab)
         require(self.gamma1 >= 1 and self.gamma2 >= 1,
                 f"gamma1 and gamma2 must be >= 1, got gamma1={self.gamma1}, gamma2={self.gamma2}")
 
@@ -244,14 +269,28 @@ class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
         """The retrieval budget is level 2's; a BudgetDraft drafter at level 1 drafts over a streaming cache,
         so its trained budgets do not constrain it."""
         _check_draft_source(self.draft, cfg)
+        _check_draft_vocab_size(self.draft_vocab, cfg)
         super().check(cfg, prompt_len)
 
 
-def load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
-    """A draft made concrete: ``ngram`` -> None (prompt lookup), ``self`` -> the target, ``truncated:K`` -> the
-    target's first K layers (shared weights), a BudgetDraft run folder -> its drafter (checked against the
-    target first), any other model source -> a loaded model; objects pass through. Models land on the target's
-    device and dtype."""
+def load_draft(draft: str | Transformer | Drafter, target: Transformer,
+               draft_vocab: int = 0) -> Transformer | Drafter | None:
+    """A draft made concrete, its head restricted to ``draft_vocab`` frequent tokens when that is not 0 (see
+    :mod:`sparsedraft.speculative.vocab`; the target's tokenizer counts them)."""
+    model = _load_draft(draft, target)
+    if not draft_vocab:
+        return model
+    source = getattr(target, "source", None)
+    require(source is not None, "draft_vocab counts tokens with the target's tokenizer, but this target does not say "
+                                "where it was loaded from; load it with sparsedraft.load_model")
+    from .data import model_tokenizer
+    return restrict_head(model, frequent_tokens(model_tokenizer(source), draft_vocab, target.cfg.vocab_size))
+
+
+def _load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
+    """``ngram`` -> None (prompt lookup), ``self`` -> the target, ``truncated:K`` -> the target's first K layers
+    (shared weights), a BudgetDraft run folder -> its drafter (checked against the target first), any other
+    model source -> a loaded model; objects pass through. Models land on the target's device and dtype."""
     if not isinstance(draft, str):
         return draft
     if draft == "ngram":
@@ -281,7 +320,7 @@ def run_ar(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sampling
 
 def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig, opts: SpecOptions,
              eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
-    draft = load_draft(opts.draft, target)
+    draft = load_draft(opts.draft, target, opts.draft_vocab)
     if draft is None or isinstance(draft, Drafter):
         drafter = _level1(draft, target)
     elif opts.draft_cache == "budget":
@@ -300,7 +339,8 @@ def run_budgetdraft(target: Transformer, prompt: torch.Tensor, n: int, sampling:
                     opts: BudgetDraftOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     return run_spec(target, prompt, n, sampling,
                     SpecOptions(draft=opts.draft, draft_cache="budget", gamma=opts.gamma, budget=opts.budget,
-                                chunk_size=opts.chunk_size, chunk_scoring=opts.chunk_scoring), eos, prefilled)
+                                chunk_size=opts.chunk_size, chunk_scoring=opts.chunk_scoring,
+                                draft_vocab=opts.draft_vocab), eos, prefilled)
 
 
 def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
@@ -311,7 +351,7 @@ def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: S
 
 def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
                  opts: TriforceOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
-    level1 = _level1(load_draft(opts.draft, target), target)
+    level1 = _level1(load_draft(opts.draft, target, opts.draft_vocab), target)
     return triforce(target, level1, prompt, n, sampling, gamma1=opts.gamma1, gamma2=opts.gamma2, budget=opts.budget,
                     chunk_size=opts.chunk_size, sink=opts.sink, window=opts.window, rebuild=opts.rebuild,
                     group_reduce=opts.group_reduce, draft_positions=opts.draft_positions, eos_token_id=eos,

@@ -1,0 +1,86 @@
+"""A draft head over the most frequent tokens: exact logits where it scores, -inf elsewhere, the target untouched,
+and decoding through it still lossless (greedy here; the sampled law in test_speculative_sampling)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from sparsedraft import decode, load_model
+from sparsedraft.bench import CompareConfig, compare
+from sparsedraft.data import corpus_tokens, model_tokenizer
+from sparsedraft.errors import SparsedraftError
+from sparsedraft.generate import generate
+from sparsedraft.speculative import truncated_draft
+from sparsedraft.speculative.vocab import SubsetHead, coverage, frequent_tokens, restrict_head
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXT = "The best way to get startup ideas is not to try to think of startup ideas. " * 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-qwen2")
+
+
+def test_subset_head_scores_its_tokens_exactly_and_nothing_else(model):
+    ids = torch.tensor([3, 10, 101, 200])
+    draft = restrict_head(model, ids)
+    tokens = torch.tensor([list(b"speculative")])
+    with torch.inference_mode():
+        full, part = model(tokens), draft(tokens)
+    assert isinstance(draft.lm_head, SubsetHead) and not isinstance(model.lm_head, SubsetHead)
+    torch.testing.assert_close(part[..., ids], full[..., ids], rtol=0, atol=0)
+    outside = torch.ones(model.cfg.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(part[..., outside]).all()
+    assert draft.layers is model.layers and draft.embed_tokens is model.embed_tokens  # shared, not copied
+
+
+def test_frequent_tokens_are_the_train_splits_most_common(model):
+    tokenizer = model_tokenizer("tiny-qwen2")
+    ids = frequent_tokens(tokenizer, 20, model.cfg.vocab_size)
+    counts = Counter(corpus_tokens(tokenizer, "train").tolist())
+    assert ids.tolist() == sorted(ids.tolist()) and len(set(ids.tolist())) == 20
+    assert min(counts[i] for i in ids.tolist()) >= max(c for t, c in counts.items() if t not in set(ids.tolist()))
+    assert 0.5 < coverage(tokenizer, ids) < 1.0  # bytes: 20 of them cover most of English text, not all of it
+    with pytest.raises(SparsedraftError, match="draft vocabulary"):
+        frequent_tokens(tokenizer, model.cfg.vocab_size, model.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("method,options", [
+    ("spec", {"draft": "truncated:1", "gamma": 3}),
+    ("budgetdraft", {"draft": "truncated:1", "budget": 64, "gamma": 3}),
+    ("triforce", {"draft": "truncated:1", "budget": 64, "gamma1": 2, "gamma2": 4}),
+])
+def test_greedy_decoding_with_a_restricted_draft_equals_plain_greedy(model, method, options):
+    plain = generate(model, torch.tensor([list(TEXT.encode())]), 24)
+    full = decode(model, TEXT, method, 24, **options)
+    restricted = decode(model, TEXT, method, 24, draft_vocab=12, **options)
+    assert torch.equal(restricted.tokens, plain.tokens) and torch.equal(full.tokens, plain.tokens)
+
+
+def test_compare_restricts_the_draft_once_and_stays_lossless(model):
+    result = compare(CompareConfig(model="tiny-qwen2", context=96, new_tokens=12, warmup=0, repeats=1,
+                                   methods=(("spec", {"draft": "truncated:1", "draft_vocab": 16}),)), target=model)
+    assert all(row.tokens_match for row in result.rows)
+
+
+def test_the_target_drafting_for_itself_keeps_its_full_head(model):
+    draft = truncated_draft(model, 1)
+    restrict_head(draft, torch.arange(8))
+    assert not isinstance(model.lm_head, SubsetHead) and not isinstance(draft.lm_head, SubsetHead)
+
+
+@pytest.mark.parametrize("method,options,message", [
+    ("spec", {"draft": "ngram", "draft_vocab": 8}, "has no head of its own"),
+    ("triforce", {"budget": 64, "draft_vocab": 8}, "has no head of its own"),
+    ("spec", {"draft": "truncated:1", "draft_vocab": -1}, "must be >= 0"),
+    ("spec", {"draft": "truncated:1", "draft_vocab": 100_000}, "smaller than the model's vocabulary"),
+])
+def test_bad_draft_vocab_fails_before_any_forward(model, method, options, message):
+    with pytest.raises(SparsedraftError, match=message):
+        decode(model, TEXT, method, 8, **options)
