@@ -156,3 +156,25 @@ def test_the_chunk_rule_decides_what_select_takes():
         by_attention.select()
     with pytest.raises(SparsedraftError, match="chunk scoring must be one of"):
         BudgetCache(model.cfg, 16, 48, CHUNK, WINDOW, scoring="mean")
+
+
+@pytest.mark.parametrize("scoring", ["attention", "keys"])
+def test_a_forked_prefill_selects_exactly_what_a_prefill_of_its_own_would(scoring):
+    from sparsedraft.budgetdraft.drafter import fill_prefix
+    model = tiny_model("llama")
+    tokens = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
+    prefix = BudgetCache(model.cfg, 16, 100, CHUNK, WINDOW, scoring=scoring)
+    _, attention = fill_prefix(model, prefix, tokens)
+    for budget in (16, 40, 64):
+        alone = BudgetCache(model.cfg, budget, 100, CHUNK, WINDOW, scoring=scoring)
+        budget_prefill(model, alone, tokens)
+        forked = prefix.fork(budget)
+        forked.select(attention)
+        assert (forked.length, forked.slots, forked.budget) == (alone.length, alone.slots, budget)
+        for layer in range(model.cfg.num_layers):
+            assert torch.equal(forked.chosen[layer], alone.chosen[layer])
+            assert torch.equal(forked.k[layer][:, :, :alone.slots], alone.k[layer][:, :, :alone.slots])
+            assert torch.equal(forked.v[layer][:, :, :alone.slots], alone.v[layer][:, :, :alone.slots])
+    assert prefix.selected_at is None and prefix.slots == 90  # the prefix itself is never selected
+    with pytest.raises(SparsedraftError, match="already selected"):
+        forked.fork(16)

@@ -1,5 +1,7 @@
 """BudgetDraft's loss, drafter inits, config validation and teacher cache (tiny models, no downloads)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -131,3 +133,15 @@ def test_the_chunk_rule_is_a_training_option_that_leaves_existing_run_names_alon
     assert TrainConfig(scoring="keys").run_name != base.run_name
     with pytest.raises(SparsedraftError, match="chunk scoring must be one of"):
         TrainConfig(scoring="mean")
+
+
+def test_a_default_shaped_run_lives_in_the_default_folder_that_budgetdraft_reads():
+    from sparsedraft.methods import BudgetDraftOptions
+    default = TrainConfig()
+    assert default.run_dir == Path("outputs/budgetdraft/default") == Path(BudgetDraftOptions().draft)
+    # steps, evaluation and checkpointing do not shape the weights: still the default run (extended or resumed)
+    assert TrainConfig(steps=300, eval_every=0, final_context=0).run_dir == default.run_dir
+    other = TrainConfig(lam=0.0)
+    assert other.run_dir == Path("outputs/budgetdraft") / other.run_name != default.run_dir
+    assert TrainConfig(out_dir="elsewhere").run_dir == Path("elsewhere")
+    assert default.verifier == "smollm2-135m-yarn32k"  # its RoPE lets the drafter draft past 8K

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sparsedraft.budgetdraft.drafter import BudgetDrafter
+from sparsedraft.analysis.intervals import mean_interval
 from sparsedraft.budgetdraft.evaluate import (acceptance_grid, draft_matches, drafters_from_runs, robustness_from_grid,
                                               robustness_table, simulate_greedy, speculative_acceptance)
 from sparsedraft.budgetdraft.config import TrainConfig
@@ -117,3 +118,28 @@ def test_the_grid_compares_chunk_rules(pair):
     with pytest.raises(SparsedraftError, match="chunk scoring must be one of"):
         acceptance_grid(verifier, {"trained": drafter}, ByteTokenizer(), contexts=(160,), budgets=(16,),
                         scorings=("mean",))
+
+
+def test_the_grid_takes_prompts_per_context_and_gives_each_cell_a_t_interval(pair):
+    verifier, drafter, _ = pair
+    grid = acceptance_grid(verifier, {"trained": drafter}, ByteTokenizer(), contexts=(96, 160), budgets=(16, None),
+                           new_tokens=16, prompts={96: 3, 160: 1})
+    assert dict(zip(grid.context, grid.prompts)) == {96: 3, 160: 1}
+    assert grid[grid.context == 160].acceptance_ci95.isna().all()  # one prompt: no interval
+    # the interval is the t interval of the per-prompt rates: rebuild it from single-prompt grids
+    rates = []
+    for v in range(3):
+        prompt = prompt_tokens(ByteTokenizer(), 80, split="heldout", variant=v)
+        rates.append(speculative_acceptance(verifier, drafter, prompt, 16, 16, gamma=4).acceptance_rate)
+    mean, half = mean_interval(rates)
+    cell = grid[(grid.context == 96) & (grid.budget == 16)].iloc[0]
+    assert cell.acceptance_rate == pytest.approx(mean) and cell.acceptance_ci95 == pytest.approx(half)
+    with pytest.raises(SparsedraftError, match="no count for contexts"):
+        acceptance_grid(verifier, {"trained": drafter}, ByteTokenizer(), contexts=(96, 160), budgets=(16,),
+                        new_tokens=16, prompts={96: 2})
+
+
+def test_t_quantiles_and_intervals():
+    from sparsedraft.analysis.intervals import t_quantile
+    assert [round(t_quantile(0.975, df), 3) for df in (1, 2, 4, 30)] == [12.706, 4.303, 2.776, 2.042]
+    assert mean_interval([0.1, 0.2, 0.3]) == pytest.approx((0.2, 4.3027 * 0.1 / 3 ** 0.5), rel=1e-4)

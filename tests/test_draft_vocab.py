@@ -84,3 +84,18 @@ def test_the_target_drafting_for_itself_keeps_its_full_head(model):
 def test_bad_draft_vocab_fails_before_any_forward(model, method, options, message):
     with pytest.raises(SparsedraftError, match=message):
         decode(model, TEXT, method, 8, **options)
+
+
+def test_draft_step_costs_time_each_head_against_the_verifier_in_one_set_of_rounds(model):
+    from sparsedraft.bench.draft_cost import draft_step_costs
+    from sparsedraft.budgetdraft.init import copy_first_layers
+    drafter = copy_first_layers(model, 1).eval()
+    prompt = torch.tensor([list(TEXT.encode())])
+    rows = draft_step_costs(model, drafter, prompt, 64, [0, 32, 8], model_tokenizer("tiny-qwen2"), repeats=3)
+    assert [r.draft_vocab for r in rows] == [model.cfg.vocab_size, 32, 8]
+    assert len({r.verifier_ms for r in rows}) == 1  # one verifier timing, shared by the rows
+    assert all(r.ratio == pytest.approx(r.draft_ms / r.verifier_ms) and r.draft_ms > 0 for r in rows)
+    assert rows[0].heldout_coverage == 1.0 > rows[1].heldout_coverage > rows[2].heldout_coverage
+    assert not isinstance(drafter.lm_head, SubsetHead)  # restricted copies only
+    with pytest.raises(SparsedraftError, match="draft_vocabs"):
+        draft_step_costs(model, drafter, prompt, 64, [model.cfg.vocab_size], model_tokenizer("tiny-qwen2"))

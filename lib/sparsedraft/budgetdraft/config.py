@@ -1,9 +1,12 @@
 """Configuration of a BudgetDraft training run: one frozen, validated dataclass.
 
-Defaults are sized for a CPU (a few minutes of steps on 2 cores): SmolLM2-135M
-as verifier, a drafter made of its first 3 layers (embedding and head copied
-and frozen), 16 windows of 2176 tokens from the essays' train split, 100
-steps. The training budgets are the paper's {256, ..., 2048}, the budgets
+Defaults are sized for a CPU (a few minutes of steps on 2 cores): the YaRN x4
+SmolLM2-135M stand-in as verifier (so the drafter, which copies its RoPE,
+drafts at 16K-32K too), a drafter made of its first 3 layers (embedding and
+head copied and frozen), 16 windows of 2176 tokens from the essays' train
+split, 100 steps. A run with the default shaping lives in
+``outputs/budgetdraft/default`` (what ``budgetdraft``'s ``draft`` option
+reads by default); any other in ``outputs/budgetdraft/<run name>``. The training budgets are the paper's {256, ..., 2048}, the budgets
 evaluation uses (evaluation refuses budgets a drafter was not trained on), so
 each window is a prefix of 2112 tokens -- longer than the largest budget, or
 that budget would keep the whole prefix and train nothing sparse -- and a
@@ -23,6 +26,7 @@ from ..caches.budget import BUDGETS, SCORINGS, check_budget, check_scoring
 from ..errors import require
 
 VIEW_VERSION = 2  # the sparse training view; checkpoints of another version are refused (see checkpoint.py)
+DEFAULT_FOLDER = "default"  # outputs/budgetdraft/default: the default run, which `budgetdraft` drafts with
 INITS = ("verifier", "scratch")  # anything else is a model spec for sparsedraft.weights.load_model
 DEVICES = ("cpu", "cuda")
 _NOT_SHAPING = ("steps", "eval_every", "eval_sequences", "checkpoint_every", "final_context", "final_tokens",
@@ -31,7 +35,7 @@ _NOT_SHAPING = ("steps", "eval_every", "eval_sequences", "checkpoint_every", "fi
 
 @dataclass(frozen=True)
 class TrainConfig:
-    verifier: str = field(default="smollm2-135m",
+    verifier: str = field(default="smollm2-135m-yarn32k",
                           metadata={"help": "frozen verifier: short name, .gguf, folder or HF id"})
     drafter_init: str = field(default="verifier", metadata={
         "help": "'verifier' (its first `layers` layers + embedding + head, copied), 'scratch' (random layers, "
@@ -119,8 +123,13 @@ class TrainConfig:
         return f"{init}-k{self.layers}-lam{self.lam:g}-seed{self.seed}-{digest}"
 
     @property
+    def folder_name(self) -> str:
+        """``default`` for a run shaped like the defaults (whatever its steps or evaluation), else :attr:`run_name`."""
+        return DEFAULT_FOLDER if self.shaping() == TrainConfig().shaping() else self.run_name
+
+    @property
     def run_dir(self) -> Path:
-        return Path(self.out_dir) if self.out_dir else Path("outputs/budgetdraft") / self.run_name
+        return Path(self.out_dir) if self.out_dir else Path("outputs/budgetdraft") / self.folder_name
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

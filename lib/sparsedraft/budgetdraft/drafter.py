@@ -33,20 +33,28 @@ def budget_prefill(model: Transformer, cache: BudgetCache, tokens: torch.Tensor,
     A cache scoring chunks by keys (``scoring="keys"``) needs no attention: the
     whole prompt is a plain chunked prefill, then the cache selects from its keys.
     """
+    logits, attention = fill_prefix(model, cache, tokens, chunk)
+    cache.select(attention)
+    return logits
+
+
+@torch.inference_mode()
+def fill_prefix(model: Transformer, cache: BudgetCache, tokens: torch.Tensor, chunk: int = PREFILL_CHUNK
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
+    """:func:`budget_prefill` up to, not including, the selection: (last logits [B, V], what ``cache.select``
+    takes -- the window's attention, or None for keys scoring). Between the two, ``cache.fork(budget)`` can copy
+    the prefilled cache for other budgets."""
     require(isinstance(cache, BudgetCache), f"budget_prefill fills a BudgetCache, got {type(cache).__name__}")
     require(tokens.dim() == 2 and tokens.shape[1] >= 1, f"tokens must be [batch, T >= 1], got {tuple(tokens.shape)}")
     cache.open_prefix()
     if cache.scoring == "keys":
-        logits = prefill(model, cache, tokens, chunk)
-        cache.select()
-        return logits
+        return prefill(model, cache, tokens, chunk), None
     start, stop = observation_window(tokens.shape[1], cache.chunk_size, cache.obs_window)
     if start:
         prefill(model, cache, tokens[:, :start], chunk)
     capture = Capture(layers=set(range(model.cfg.num_layers)), weights=True)
     logits = model(tokens[:, start:], cache=cache, last_only=True, capture=capture)
-    cache.select({layer: w[:, :, :stop - start, :stop] for layer, w in capture.attention.items()})
-    return logits[:, -1]
+    return logits[:, -1], {layer: w[:, :, :stop - start, :stop] for layer, w in capture.attention.items()}
 
 
 class BudgetDrafter(ModelDrafter):

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 import pandas as pd
 import torch
 
+from ..analysis.intervals import mean_interval
 from ..caches.budget import BUDGETS, BudgetCache, check_scoring
 from ..data import Tokenizer, prompt_tokens
 from ..errors import require
@@ -31,7 +32,7 @@ from ..model import Transformer
 from ..progress import bar
 from ..speculative import speculative
 from .checkpoint import load_checkpoint, load_drafter
-from .drafter import BudgetDrafter, budget_prefill
+from .drafter import BudgetDrafter, fill_prefix
 from .init import init_drafter
 
 
@@ -70,21 +71,40 @@ def draft_matches(drafter: Transformer, prompt: torch.Tensor, continuation: torc
     one the speculative run would make. ``scoring`` is the cache's chunk rule
     (:data:`~sparsedraft.caches.budget.SCORINGS`).
     """
+    return draft_matches_by_budget(drafter, prompt, continuation, [budget], chunk_size, obs_window, scoring)[budget]
+
+
+@torch.inference_mode()
+def draft_matches_by_budget(drafter: Transformer, prompt: torch.Tensor, continuation: torch.Tensor,
+                            budgets: Sequence[int | None], chunk_size: int = 8, obs_window: int = 32,
+                            scoring: str = "attention") -> dict[int | None, torch.Tensor]:
+    """:func:`draft_matches` for each of ``budgets`` from one budget-cache prefill (forked per budget before
+    its selection, which is all that depends on the budget) and one full-cache prefill if ``None`` is asked."""
     require(prompt.numel() >= 2 and continuation.numel() >= 1,
             f"need a prompt of >= 2 tokens and a continuation of >= 1, got {prompt.numel()} and {continuation.numel()}")
     device = drafter.device
     total = prompt.numel() + continuation.numel()
     body = prompt[None, :-1].to(device)
-    if budget is None:
+    fed = torch.cat((prompt[-1:], continuation[:-1]))[None].to(device)
+
+    def matches(cache) -> torch.Tensor:
+        return drafter(fed, cache=cache)[0].argmax(-1).cpu() == continuation.cpu()
+
+    out: dict[int | None, torch.Tensor] = {}
+    if None in budgets:
         cache = drafter.new_cache(total)
         prefill(drafter, cache, body)
-    else:
-        cache = BudgetCache(drafter.cfg, budget, total, chunk_size, obs_window, dtype=drafter.dtype, device=device,
-                            scoring=scoring)
-        budget_prefill(drafter, cache, body)
-    fed = torch.cat((prompt[-1:], continuation[:-1]))[None].to(device)
-    logits = drafter(fed, cache=cache)
-    return (logits[0].argmax(-1).cpu() == continuation.cpu())
+        out[None] = matches(cache)
+    sparse = [b for b in budgets if b is not None]
+    if sparse:
+        prefix = BudgetCache(drafter.cfg, sparse[0], total, chunk_size, obs_window, dtype=drafter.dtype,
+                             device=device, scoring=scoring)
+        _, attention = fill_prefix(drafter, prefix, body)
+        for budget in sparse:
+            cache = prefix.fork(budget)
+            cache.select(attention)
+            out[budget] = matches(cache)
+    return out
 
 
 def simulate_greedy(matches: torch.Tensor, gamma: int) -> AcceptanceStats:
@@ -146,8 +166,14 @@ def acceptance_rows(verifier: Transformer, drafters: Mapping[str, Transformer], 
         for p, prompt in enumerate(prompts):
             continuation = greedy_continuation(verifier, prompt, new_tokens)
             for name, drafter in drafters.items():
+                found = {}  # one prefill per chunk rule (forked per budget) and one full-cache prefill
+                for scoring in scorings:
+                    asked = sorted({b for b, s in cells if s == scoring}, key=lambda b: (b is None, b or 0))
+                    by_budget = draft_matches_by_budget(drafter, prompt, continuation, asked, chunk_size, obs_window,
+                                                        scoring)
+                    found.update({(b, scoring): m for b, m in by_budget.items()})
                 for budget, scoring in cells:
-                    matches = draft_matches(drafter, prompt, continuation, budget, chunk_size, obs_window, scoring)
+                    matches = found[(budget, scoring)]
                     stats = simulate_greedy(matches, gamma)
                     rows.append({"drafter": name, "context": prompt.numel() + new_tokens, "prompt": p,
                                  "budget": "full" if budget is None else budget, "gamma": gamma,
@@ -159,10 +185,12 @@ def acceptance_rows(verifier: Transformer, drafters: Mapping[str, Transformer], 
 
 def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], tokenizer: Tokenizer,
                     contexts: Sequence[int] = (1024, 2048, 4096, 8192), budgets: Sequence[int | None] = BUDGETS,
-                    new_tokens: int = 64, gamma: int = 4, prompts: int = 1, split: str = "heldout",
-                    chunk_size: int = 8, obs_window: int = 32,
+                    new_tokens: int = 64, gamma: int = 4, prompts: int | Mapping[int, int] = 1,
+                    split: str = "heldout", chunk_size: int = 8, obs_window: int = 32,
                     trained_budgets: Sequence[int] | None = None, scorings: Sequence[str] = ("attention",)) -> pd.DataFrame:
-    """Acceptance per (context, drafter, budget, chunk scoring), averaged over ``prompts`` held-out windows.
+    """Acceptance per (context, drafter, budget, chunk scoring), averaged over ``prompts`` held-out windows
+    (a number, or one per context: ``{32768: 3, ...}``), with ``acceptance_ci95``, the half-width of the 95%
+    t interval of that mean over the prompts (NaN for one prompt), and ``prompts``, their number.
 
     ``context`` counts prompt + generated tokens, so it must fit the verifier's
     context limit; budgets at or above a context are full caches. Pass the
@@ -174,15 +202,27 @@ def acceptance_grid(verifier: Transformer, drafters: Mapping[str, Transformer], 
     require(max(contexts) <= limit, f"context {max(contexts)} exceeds the verifier's {limit} tokens; "
                                     f"use contexts <= {limit} (prompt + new tokens)")
     require(min(contexts) > new_tokens + 1, f"every context must exceed new_tokens + 1 ({new_tokens + 1})")
+    counts = prompts_per_context(contexts, prompts)
     rows = []
     for context in bar(contexts, desc="acceptance grid", unit="context", show=len(contexts) > 1):
-        texts = [prompt_tokens(tokenizer, context - new_tokens, split=split, variant=v) for v in range(prompts)]
+        texts = [prompt_tokens(tokenizer, context - new_tokens, split=split, variant=v) for v in range(counts[context])]
         rows += acceptance_rows(verifier, drafters, texts, budgets, new_tokens, gamma, chunk_size, obs_window,
                                 trained_budgets, scorings)
     frame = pd.DataFrame(rows)
-    keys = ["drafter", "context", "budget", "gamma", "scoring"]
-    return frame.groupby(keys, sort=False)[["acceptance_rate", "tokens_per_verification", "top1_agreement"]] \
-        .mean().reset_index()
+    grouped = frame.groupby(["drafter", "context", "budget", "gamma", "scoring"], sort=False)
+    grid = grouped[["acceptance_rate", "tokens_per_verification", "top1_agreement"]].mean()
+    grid["acceptance_ci95"] = grouped.acceptance_rate.agg(lambda rates: mean_interval(rates)[1])
+    grid["prompts"] = grouped.size()
+    return grid.reset_index()
+
+
+def prompts_per_context(contexts: Sequence[int], prompts: int | Mapping[int, int]) -> dict[int, int]:
+    """``{context: held-out prompts}`` from one number for all or a mapping that names every context."""
+    counts = dict(prompts) if isinstance(prompts, Mapping) else {c: prompts for c in contexts}
+    missing = sorted(set(contexts) - set(counts))
+    require(not missing, f"prompts names no count for contexts {missing}; give one per context or a single number")
+    require(all(counts[c] >= 1 for c in contexts), f"every context needs >= 1 prompt, got {counts}")
+    return {c: int(counts[c]) for c in contexts}
 
 
 def robustness_table(verifier: Transformer, drafters: Mapping[str, Transformer], tokenizer: Tokenizer,

@@ -196,6 +196,21 @@ class BudgetCache(KVCache):
         self.slots -= n
         self.length -= n
 
+    def fork(self, budget: int) -> "BudgetCache":
+        """A copy of this prefilled, not yet selected cache with another ``budget`` (its own buffers): one
+        prefill, then one :meth:`select` per budget, as if each had been prefilled alone."""
+        require(self.selected_at is None and self.length >= 1,
+                "fork() copies a prefilled BudgetCache before its select(); this one is "
+                + ("empty" if not self.length else "already selected"))
+        other = BudgetCache(self.cfg, budget, self.max_len, self.chunk_size, self.obs_window, self.batch,
+                            self.k[0].dtype, self.k[0].device, self.scoring)
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            for layer, buffer in enumerate(mine):
+                theirs[layer][:, :, :self.slots] = buffer[:, :, :self.slots]
+        other.pos[:, :self.slots] = self.pos[:, :self.slots]
+        other.length, other.slots = self.length, self.slots
+        return other
+
     def observation_window(self) -> tuple[int, int]:
         """(start, stop) positions whose attention :meth:`select` expects for the current prefix."""
         return observation_window(self.length, self.chunk_size, self.obs_window)

@@ -1,0 +1,82 @@
+"""What one draft step costs next to one verifier step at a long context.
+
+A drafter pays only if its forward is a small fraction of the verifier's: with
+acceptance ``a`` per draft and ``gamma`` drafts, a round costs ``gamma * c + v``
+for ``(1 - a^(gamma+1)) / (1 - a)`` tokens, so ``c / v`` caps the speedup as
+much as ``a`` does. This times both forwards in one process, taking turns:
+the verifier decoding one token over a full cache of ``context`` tokens
+(random keys and values: the work does not depend on them), and the drafter
+drafting one token over its own sparse cache -- a :class:`BudgetCache` the
+drafter filled from a real prompt of ``context`` tokens -- once per head
+(the full one and each :func:`~sparsedraft.speculative.vocab.restrict_head`
+size). Every forward is rolled back, so each sees the same cache.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..caches.budget import BudgetCache
+from ..errors import require
+from ..model import Transformer
+from ..generate import synchronize
+from ..speculative.vocab import coverage, frequent_tokens, restrict_head
+from .ar import random_cache
+
+
+@dataclass(frozen=True)
+class DraftCostRow:
+    draft_vocab: int  # tokens the draft's head scores (the full vocabulary for the unrestricted head)
+    heldout_coverage: float  # share of held-out tokens among them: how often the draft can be right at most
+    draft_ms: float  # median draft step over its budget cache
+    verifier_ms: float  # median verifier step over the full cache, timed in the same rounds
+    ratio: float  # draft_ms / verifier_ms
+
+
+def _step_ms(model: Transformer, cache, token: torch.Tensor) -> float:
+    synchronize(model.device)
+    start = time.perf_counter()
+    model(token, cache=cache, last_only=True)
+    synchronize(model.device)
+    elapsed = time.perf_counter() - start
+    cache.rollback(1)
+    return 1000 * elapsed
+
+
+@torch.inference_mode()
+def draft_step_costs(verifier: Transformer, drafter: Transformer, prompt: torch.Tensor, budget: int,
+                     draft_vocabs: list[int], tokenizer, repeats: int = 30, chunk_size: int = 8,
+                     scoring: str = "attention") -> list[DraftCostRow]:
+    """One row per entry of ``draft_vocabs`` (0: the full head), timed at ``prompt``'s length [1, T]."""
+    from ..budgetdraft.drafter import budget_prefill
+
+    context = prompt.shape[1]
+    vocab = verifier.cfg.vocab_size
+    require(prompt.dim() == 2 and prompt.shape[0] == 1, f"prompt must be [1, T], got {tuple(prompt.shape)}")
+    require(all(0 <= n < vocab for n in draft_vocabs),
+            f"draft_vocabs {draft_vocabs} must lie in [0, {vocab}) (0: the full head)")
+    require(repeats >= 3, f"repeats must be >= 3 for a median, got {repeats}")
+    full = random_cache(verifier, context, 1)
+    cache = BudgetCache(drafter.cfg, budget, context + 1, chunk_size, scoring=scoring, dtype=drafter.dtype,
+                        device=drafter.device)
+    budget_prefill(drafter, cache, prompt.to(drafter.device))
+    heads = {n: restrict_head(drafter, frequent_tokens(tokenizer, n, vocab)) if n else drafter for n in draft_vocabs}
+    token = prompt[:, -1:].to(verifier.device)
+    times: dict[object, list[float]] = {"verifier": [], **{n: [] for n in heads}}
+    for round_ in range(repeats + 1):  # round 0 warms every path up and is dropped
+        for name in times:
+            ms = _step_ms(verifier, full, token) if name == "verifier" else _step_ms(heads[name], cache, token)
+            if round_:
+                times[name].append(ms)
+    verifier_ms = statistics.median(times["verifier"])
+    rows = []
+    for n, head in heads.items():
+        ids = head.lm_head.ids if n else torch.arange(vocab)
+        draft_ms = statistics.median(times[n])
+        rows.append(DraftCostRow(n or vocab, coverage(tokenizer, ids) if n else 1.0, draft_ms, verifier_ms,
+                                 draft_ms / verifier_ms))
+    return rows
