@@ -96,6 +96,17 @@ def test_draft_step_costs_time_each_head_against_the_verifier_in_one_set_of_roun
     assert len({r.verifier_ms for r in rows}) == 1  # one verifier timing, shared by the rows
     assert all(r.ratio == pytest.approx(r.draft_ms / r.verifier_ms) and r.draft_ms > 0 for r in rows)
     assert rows[0].heldout_coverage == 1.0 > rows[1].heldout_coverage > rows[2].heldout_coverage
+    assert len({r.verify_ratio for r in rows}) == 1 and rows[0].verify_ratio > 0 and rows[0].verify_tokens == 5
     assert not isinstance(drafter.lm_head, SubsetHead)  # restricted copies only
     with pytest.raises(SparsedraftError, match="draft_vocabs"):
         draft_step_costs(model, drafter, prompt, 64, [model.cfg.vocab_size], model_tokenizer("tiny-qwen2"))
+
+
+def test_needed_acceptance_inverts_the_two_level_cost_model():
+    from sparsedraft.analysis.costmodel import expected_tokens_per_verify, needed_acceptance
+    alpha = needed_acceptance(1.5, 4, 0.06, 1.4)
+    assert 0 < alpha < 1
+    assert expected_tokens_per_verify(alpha, 4) / (4 * 0.06 + 1.4) == pytest.approx(1.5, rel=1e-9)
+    assert needed_acceptance(1.5, 4, 0.06, 1.6) > alpha  # a dearer verification needs more acceptance
+    assert needed_acceptance(1.0, 4, 0.0, 1.0) == pytest.approx(0.0, abs=1e-9)  # free drafts: break even at 0
+    assert needed_acceptance(6.0, 4, 0.0, 1.0) != needed_acceptance(6.0, 4, 0.0, 1.0)  # NaN: 5 tokens at most

@@ -187,6 +187,23 @@ def expected_tokens_per_verify(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha == 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+def needed_acceptance(speedup: float, gamma: int, draft_ratio: float, verify_ratio: float) -> float:
+    """The per-draft acceptance α at which two-level decoding runs ``speedup`` times faster than plain decoding,
+    when a draft step costs ``draft_ratio`` and a (γ+1)-token verification ``verify_ratio`` plain decode steps:
+    the α solving E[tokens](α, γ) = speedup · (γ · draft_ratio + verify_ratio). NaN when even α = 1 falls short."""
+    require(speedup > 0 and gamma >= 1 and draft_ratio >= 0 and verify_ratio > 0,
+            f"need speedup > 0, gamma >= 1, draft_ratio >= 0, verify_ratio > 0; got {speedup}, {gamma}, "
+            f"{draft_ratio}, {verify_ratio}")
+    want = speedup * (gamma * draft_ratio + verify_ratio)
+    if want > gamma + 1:
+        return float("nan")
+    low, high = 0.0, 1.0
+    for _ in range(60):  # E[tokens] grows with alpha
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_tokens_per_verify(mid, gamma) < want else (low, mid)
+    return (low + high) / 2
+
+
 @dataclass(frozen=True)
 class Prediction:
     """Long-run cost of repeated iterations."""

@@ -9,7 +9,9 @@ the verifier decoding one token over a full cache of ``context`` tokens
 drafting one token over its own sparse cache -- a :class:`BudgetCache` the
 drafter filled from a real prompt of ``context`` tokens -- once per head
 (the full one and each :func:`~sparsedraft.speculative.vocab.restrict_head`
-size). Every forward is rolled back, so each sees the same cache.
+size), and beside them a (gamma + 1)-token verification over the full cache,
+the other term of a round's cost. Every forward is rolled back, so each sees
+the same cache.
 """
 
 from __future__ import annotations
@@ -35,23 +37,26 @@ class DraftCostRow:
     draft_ms: float  # median draft step over its budget cache
     verifier_ms: float  # median verifier step over the full cache, timed in the same rounds
     ratio: float  # draft_ms / verifier_ms
+    verify_tokens: int  # tokens of the verification timed beside them (gamma + 1)
+    verify_ratio: float  # that verification's median time / verifier_ms
 
 
-def _step_ms(model: Transformer, cache, token: torch.Tensor) -> float:
+def _step_ms(model: Transformer, cache, tokens: torch.Tensor) -> float:
     synchronize(model.device)
     start = time.perf_counter()
-    model(token, cache=cache, last_only=True)
+    model(tokens, cache=cache)
     synchronize(model.device)
     elapsed = time.perf_counter() - start
-    cache.rollback(1)
+    cache.rollback(tokens.shape[1])
     return 1000 * elapsed
 
 
 @torch.inference_mode()
 def draft_step_costs(verifier: Transformer, drafter: Transformer, prompt: torch.Tensor, budget: int,
                      draft_vocabs: list[int], tokenizer, repeats: int = 30, chunk_size: int = 8,
-                     scoring: str = "attention") -> list[DraftCostRow]:
-    """One row per entry of ``draft_vocabs`` (0: the full head), timed at ``prompt``'s length [1, T]."""
+                     scoring: str = "attention", verify_tokens: int = 5) -> list[DraftCostRow]:
+    """One row per entry of ``draft_vocabs`` (0: the full head), timed at ``prompt``'s length [1, T], with a
+    ``verify_tokens``-token verification over the full cache timed in the same rounds."""
     from ..budgetdraft.drafter import budget_prefill
 
     context = prompt.shape[1]
@@ -60,23 +65,29 @@ def draft_step_costs(verifier: Transformer, drafter: Transformer, prompt: torch.
     require(all(0 <= n < vocab for n in draft_vocabs),
             f"draft_vocabs {draft_vocabs} must lie in [0, {vocab}) (0: the full head)")
     require(repeats >= 3, f"repeats must be >= 3 for a median, got {repeats}")
-    full = random_cache(verifier, context, 1)
+    require(verify_tokens >= 1, f"verify_tokens must be >= 1, got {verify_tokens}")
+    full = random_cache(verifier, context, verify_tokens)
     cache = BudgetCache(drafter.cfg, budget, context + 1, chunk_size, scoring=scoring, dtype=drafter.dtype,
                         device=drafter.device)
     budget_prefill(drafter, cache, prompt.to(drafter.device))
     heads = {n: restrict_head(drafter, frequent_tokens(tokenizer, n, vocab)) if n else drafter for n in draft_vocabs}
     token = prompt[:, -1:].to(verifier.device)
-    times: dict[object, list[float]] = {"verifier": [], **{n: [] for n in heads}}
+    block = prompt[:, -verify_tokens:].to(verifier.device)
+    times: dict[object, list[float]] = {"verifier": [], "verify": [], **{n: [] for n in heads}}
     for round_ in range(repeats + 1):  # round 0 warms every path up and is dropped
         for name in times:
-            ms = _step_ms(verifier, full, token) if name == "verifier" else _step_ms(heads[name], cache, token)
+            if name in ("verifier", "verify"):
+                ms = _step_ms(verifier, full, token if name == "verifier" else block)
+            else:
+                ms = _step_ms(heads[name], cache, token)
             if round_:
                 times[name].append(ms)
     verifier_ms = statistics.median(times["verifier"])
+    verify_ratio = statistics.median(times["verify"]) / verifier_ms
     rows = []
     for n, head in heads.items():
         ids = head.lm_head.ids if n else torch.arange(vocab)
         draft_ms = statistics.median(times[n])
         rows.append(DraftCostRow(n or vocab, coverage(tokenizer, ids) if n else 1.0, draft_ms, verifier_ms,
-                                 draft_ms / verifier_ms))
+                                 draft_ms / verifier_ms, verify_tokens, verify_ratio))
     return rows
