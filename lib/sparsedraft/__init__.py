@@ -21,13 +21,14 @@ Where everything is, one hop from here:
   ``sparsedraft.caches`` (StreamingCache, RetrievalCache, BudgetCache, rebuild
   policies);
 - the decoders themselves: ``sparsedraft.speculative`` (verification,
-  drafters, drivers) and ``sparsedraft.generate`` (plain decoding, the one
+  drafters, drivers; ``speculative.vocab``: a draft head over frequent tokens) and ``sparsedraft.generate`` (plain decoding, the one
   chunked prefill);
 - the GPU path: ``sparsedraft.cudagraph`` (fixed-size steps replayed from a
   CUDA graph), ``sparsedraft.caches.static`` (static-shape caches it needs),
   ``sparsedraft.caches.indexed`` (retrieval as a gather or FlashInfer's
   indexed decode) and ``sparsedraft.bench.gpu`` (``gpu-check``);
-- BudgetDraft training: ``sparsedraft.budgetdraft``;
+- BudgetDraft training: ``sparsedraft.budgetdraft`` (a draft step's cost against the
+  verifier's: ``sparsedraft.bench.draft_cost``);
 - analyses behind the notebooks: ``sparsedraft.analysis`` (sparsity, locality,
   cost model, acceptance fits, plots) and ``sparsedraft.roofline`` (bytes and
   FLOPs per token, measured read bandwidth, hardware datasheets);
