@@ -63,10 +63,17 @@ def test_greedy_decoding_with_a_restricted_draft_equals_plain_greedy(model, meth
     assert torch.equal(restricted.tokens, plain.tokens) and torch.equal(full.tokens, plain.tokens)
 
 
-def test_compare_restricts_the_draft_once_and_stays_lossless(model):
+def test_compare_with_a_restricted_draft_stays_lossless(model):
     result = compare(CompareConfig(model="tiny-qwen2", context=96, new_tokens=12, warmup=0, repeats=1,
                                    methods=(("spec", {"draft": "truncated:1", "draft_vocab": 16}),)), target=model)
     assert all(row.tokens_match for row in result.rows)
+
+
+def test_the_frequency_list_is_computed_once_per_source_and_size(model):
+    from sparsedraft.speculative.vocab import frequent_tokens_of
+    first = frequent_tokens_of("tiny-qwen2", 16, model.cfg.vocab_size)
+    assert frequent_tokens_of("tiny-qwen2", 16, model.cfg.vocab_size) is first  # kept, not recounted
+    assert torch.equal(first, frequent_tokens(model_tokenizer("tiny-qwen2"), 16, model.cfg.vocab_size))
 
 
 def test_the_target_drafting_for_itself_keeps_its_full_head(model):

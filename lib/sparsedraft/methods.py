@@ -34,7 +34,7 @@ from .prefilled import PrefilledPrompt
 from .sampling import SamplingConfig
 from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retrieval, speculative, triforce,
                           truncated_draft)
-from .speculative.vocab import frequent_tokens, restrict_head
+from .speculative.vocab import frequent_tokens_of, restrict_head
 
 DRAFT_CACHES = ("full", "streaming", "budget")
 SELF = "self"  # the target drafts for itself over a sparse cache of its own (prefilled through it)
@@ -283,8 +283,7 @@ def load_draft(draft: str | Transformer | Drafter, target: Transformer,
     source = getattr(target, "source", None)
     require(source is not None, "draft_vocab counts tokens with the target's tokenizer, but this target does not say "
                                 "where it was loaded from; load it with sparsedraft.load_model")
-    from .data import model_tokenizer
-    return restrict_head(model, frequent_tokens(model_tokenizer(source), draft_vocab, target.cfg.vocab_size))
+    return restrict_head(model, frequent_tokens_of(source, draft_vocab, target.cfg.vocab_size))
 
 
 def _load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:

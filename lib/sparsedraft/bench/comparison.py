@@ -309,7 +309,7 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     else:
         prompt, prefilled = [p[0] for p in prompts], prefills
         batch = {"max_memory": config.max_memory or None}
-    drafts: dict[tuple[str, int], Any] = {}
+    drafts: dict[str, Any] = {}
     runners = {BASELINE: lambda: decode(target, prompt, BASELINE, config.new_tokens, sampling=config.sampling,
                                         prefilled=prefilled, **batch)}
     labels = config.labels(config.methods)
@@ -317,10 +317,9 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
         values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
         draft = values.get("draft")
         if isinstance(draft, str) and draft != "ngram":  # load each named draft once, not once per run
-            key = (draft, values.get("draft_vocab", 0))  # restricted outside the timed runs too
-            if key not in drafts:
-                drafts[key] = load_draft(draft, target, key[1])
-            values["draft"], values["draft_vocab"] = drafts[key], 0
+            if draft not in drafts:
+                drafts[draft] = load_draft(draft, target)
+            values["draft"] = drafts[draft]
         runners[label] = (lambda name=name, values=values:
                           decode(target, prompt, name, config.new_tokens, sampling=config.sampling,
                                  prefilled=prefilled, **batch, **values))

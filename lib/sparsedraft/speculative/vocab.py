@@ -15,6 +15,8 @@ often well.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import nn
 
@@ -64,6 +66,14 @@ def frequent_tokens(tokenizer, n: int, vocab_size: int) -> torch.Tensor:
     counts = torch.bincount(corpus_tokens(tokenizer, "train"), minlength=vocab_size)[:vocab_size]
     order = torch.sort(counts, descending=True, stable=True).indices
     return order[:n].sort().values
+
+
+@lru_cache(maxsize=8)
+def frequent_tokens_of(source: str, n: int, vocab_size: int) -> torch.Tensor:
+    """:func:`frequent_tokens` with the tokenizer of the model named ``source``, kept: loading that tokenizer and
+    tokenising the corpus takes seconds, and every run restricting a draft asks again."""
+    from ..data import model_tokenizer
+    return frequent_tokens(model_tokenizer(source), n, vocab_size)
 
 
 def coverage(tokenizer, ids: torch.Tensor, split: str = "heldout") -> float:
