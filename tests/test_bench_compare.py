@@ -60,6 +60,9 @@ def test_frame_records_and_json_hold_the_same_numbers(every_method):
     assert [r["speedup"] for r in record["rows"]] == [r.speedup for r in result.rows]
     table = result.table()
     assert all(f"{r.ms_per_token:.2f}" in table for r in result.rows)
+    # every figure comes with the read bandwidth measured in the same process
+    assert result.read_gb_s > 0 and record["read_gb_s"] == result.read_gb_s
+    assert f"read bandwidth {result.read_gb_s:.1f} GB/s (1 GiB, this process)" in table
 
 
 def test_the_same_method_twice_is_labelled_by_its_options():

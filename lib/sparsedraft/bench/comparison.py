@@ -49,6 +49,7 @@ from ..prefill_store import GiB, PrefillStore
 from ..prefilled import prefill_prompt
 from ..quant import quantize_int8
 from ..report import format_table
+from ..roofline import measure_read_bandwidth
 from ..runtime import DTYPES, device_name, peak_rss_gb, resolve_device
 from ..sampling import SamplingConfig
 from .timing import interleaved_runs, median_run
@@ -182,7 +183,9 @@ class CompareResult:
     rows: list[MethodRow]  # baseline first, then the methods in config order
     prefill_s: float  # seconds of the one prefill every run started from (when computed, also if read from disk)
     prefill_loaded_from: str | None = None  # the disk cache file it was read from; None when computed here
-    peak_rss_gb: float = float("nan")  # the process's peak resident memory at the end (prefills included)
+    peak_rss_gb: float = float("nan")  # the process's peak resident memory after the runs (prefills included)
+    read_gb_s: float = float("nan")  # this machine's read bandwidth, a 1 GiB read measured in this process after
+                                     # the runs (and after peak_rss_gb): the floor the figures are judged against
 
     def row(self, method: str) -> MethodRow:
         """The row named ``method`` (see :attr:`MethodRow.method`)."""
@@ -203,7 +206,7 @@ class CompareResult:
         return {"bench": "compare", "config": self.config.to_dict(), "device": self.device,
                 "prompt_len": self.prompt_len, "prefill_s": self.prefill_s,
                 "prefill_loaded_from": self.prefill_loaded_from, "peak_rss_gb": self.peak_rss_gb,
-                "rows": self.records()}
+                "read_gb_s": self.read_gb_s, "rows": self.records()}
 
     def table(self) -> str:
         c = self.config
@@ -212,7 +215,8 @@ class CompareResult:
         batch = f"batch {c.batch} x " if c.batch > 1 else ""
         head = (f"compare: {', '.join(r.method for r in self.rows[1:]) or 'baseline only'} vs {BASELINE}, "
                 f"{c.model} {c.dtype}{quant} on {self.device}, {batch}prompt {self.prompt_len} tokens, "
-                f"{c.new_tokens} new ({law}), median of {c.repeats}, peak RSS {self.peak_rss_gb:.2f} GB\n")
+                f"{c.new_tokens} new ({law}), median of {c.repeats}, peak RSS {self.peak_rss_gb:.2f} GB, "
+                f"read bandwidth {self.read_gb_s:.1f} GB/s (1 GiB, this process)\n")
         where = f"read from {self.prefill_loaded_from}" if self.prefill_loaded_from else "computed here"
         one = "one prefill per row" if c.batch > 1 else "one prefill"
         head += f"{one} for every run: {self.prefill_s:.3f} s ({where}); prefill s = that + setup s\n"
@@ -327,6 +331,7 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     given = {BASELINE: {}, **{label: opts for label, (_, opts) in zip(labels, config.methods)}}
     rows = [_row(label, runs[label], runs[BASELINE], config.sampling.greedy, given[label]) for label in runners]
     loaded = sorted({p.loaded_from for p in prefills if p.loaded_from is not None})  # the files read; none computed
+    rss = peak_rss_gb()  # before the bandwidth read's 1 GiB buffer
     return CompareResult(config, device_name(device), prompts[0].shape[1], rows, sum(p.seconds for p in prefills),
-                         ", ".join(loaded) or None, peak_rss_gb())
+                         ", ".join(loaded) or None, rss, measure_read_bandwidth(device) / 1e9)
 
