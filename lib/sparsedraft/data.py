@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,7 +82,8 @@ def _essays() -> tuple[tuple[str, str], ...]:
 
 
 def essays(split: str = "all") -> list[tuple[str, str]]:
-    """(name, text) of every essay in ``split``, sorted by name."""
+    """(name, text) of every essay in ``split``, in reading order: sorted by name (``unseen``: held-out ones, then
+    train ones backwards)."""
     require(split in SPLITS, f"unknown split {split!r}: choose one of {SPLITS}")
     return [_essays()[i] for i in _order(len(_essays()), split)]
 
@@ -140,7 +142,7 @@ def unseen_free(tokenizer: Tokenizer, used_train_tokens: int) -> int:
     size = {i: per_essay[i].numel() + separator.numel() for i in range(len(per_essay))}
     free = sum(size[i] for i in _order(len(per_essay), "heldout"))
     train = _order(len(per_essay), "train")
-    starts = dict(zip(train, [sum(size[j] for j in train[:k]) for k in range(len(train))]))
+    starts = dict(zip(train, accumulate((size[i] for i in train), initial=0)))  # where each sits in "train"
     for i in reversed(train):
         if starts[i] < used_train_tokens:
             break

@@ -6,8 +6,8 @@ drafts at 16K-32K too), a drafter made of its first 3 layers (embedding and
 head copied and frozen), 16 windows of 2176 tokens from the essays' train
 split, 100 steps. A run with the default shaping lives in
 ``outputs/budgetdraft/default`` (what ``budgetdraft``'s ``draft`` option
-reads by default); any other in ``outputs/budgetdraft/<run name>``. The training budgets are the paper's {256, ..., 2048}, the budgets
-evaluation uses (evaluation refuses budgets a drafter was not trained on), so
+reads by default); any other in ``outputs/budgetdraft/<run name>``. The
+training budgets are the paper's {256, ..., 2048}, the budgets evaluation uses (evaluation refuses budgets a drafter was not trained on), so
 each window is a prefix of 2112 tokens -- longer than the largest budget, or
 that budget would keep the whole prefix and train nothing sparse -- and a
 continuation of 64 drafted tokens that L_C scores.
