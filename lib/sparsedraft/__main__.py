@@ -9,7 +9,10 @@ flags come from its options dataclass plus the shared
 the values before any model loads). A benchmark prints its human table, then
 one JSON object as the last line of stdout; progress bars go to stderr.
 ``train-drafter`` trains a BudgetDraft drafter; ``run`` executes the
-notebooks; ``gpu-check`` times the GPU path (:mod:`sparsedraft.bench.gpu`). A :class:`SparsedraftError` prints as one ``error:`` line on
+notebooks; ``gpu-check`` times the GPU path (:mod:`sparsedraft.bench.gpu`). ``bench ... --record
+FILE.json`` also writes the result with its command, commit, date and machine
+(:mod:`sparsedraft.bench.record`); ``results`` rebuilds the README's results
+table from those records. A :class:`SparsedraftError` prints as one ``error:`` line on
 stderr with exit status 2.
 """
 
@@ -23,6 +26,7 @@ from typing import Callable
 from .bench import BENCHES
 from .bench.gpu import HELP as GPU_CHECK_HELP
 from .bench.gpu import add_gpu_check_parser, run_gpu_check_command
+from .bench.record import RESULTS_DIR, refresh_readme, write_record
 from .bench.tuned import SOURCE, TUNED, tuned_context, tuned_options
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
@@ -42,6 +46,9 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
     for name, bench in BENCHES.items():
         sub = benches.add_parser(name, help=bench.help, description=bench.help)
         add_config_options(sub, bench.config)
+        sub.add_argument("--record", metavar="FILE.json", default="",
+                         help="also write the result with its command, commit, date, CPU ISA path and read "
+                              f"bandwidth to this file (e.g. {RESULTS_DIR}/NAME.json); empty: none")
         if bench.method is not None:
             group = sub.add_argument_group(f"{name} options", TUNED_HELP if name in TUNED else None)
             add_config_options(group, METHODS[bench.method].options, given_only=True)
@@ -66,6 +73,19 @@ def run_bench(args: argparse.Namespace) -> None:
         print(f"{bench.method} options not given on the command line took the best settings measured at context "
               f"{tuned_context(bench.method, config.context)} ({SOURCE}): {config.methods[0][1]}")
     print(json.dumps(result.to_dict()))
+    if args.record:
+        found = result.to_dict()
+        read = found.get("read_gb_s", found.get("read_bandwidth_gbps"))
+        print(f"record written to {write_record(args.record, found, read)}", file=sys.stderr)
+
+
+def add_results_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--readme", default="README.md", help="file whose marked results table is rebuilt")
+    parser.add_argument("--records", default=str(RESULTS_DIR), help="folder of records written by bench --record")
+
+
+def run_results(args: argparse.Namespace) -> None:
+    print(refresh_readme(args.readme, args.records))
 
 
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int | None]]
@@ -74,6 +94,8 @@ COMMANDS: dict[str, Command] = {
     "train-drafter": (TRAIN_HELP, add_train_parser, run_train_drafter),
     "run": (RUN_HELP, add_run_parser, run_notebooks),
     "gpu-check": (GPU_CHECK_HELP, add_gpu_check_parser, run_gpu_check_command),
+    "results": ("rebuild README.md's results table from the records in docs/results/", add_results_parser,
+                run_results),
 }
 
 

@@ -1,0 +1,165 @@
+"""Results records: every figure the README states traces to one file the measuring code wrote.
+
+A hand-typed number cannot be checked; a number in a file that names its
+command, commit, date and machine can be rerun and compared. ``bench ...
+--record docs/results/NAME.json`` (:func:`write_record`) writes the bench's
+JSON object together with that provenance: the command line, ``git rev-parse
+HEAD`` plus whether the tree had uncommitted changes, the UTC date, the CPU's
+best vector path (:func:`isa_path`: the C++ kernels are built with
+``-march=native``, so AVX2 and AVX-512 machines run different code) and the
+read bandwidth measured in the bench's own process, the floor every speed is
+judged against.
+
+``python -m sparsedraft results`` (:func:`refresh_readme`) rebuilds the
+README's results table from every record under ``docs/results/``, between the
+two marker comments :data:`BEGIN` and :data:`END`: the one way that table
+changes. A record missing a field is refused with its path and the field.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import SparsedraftError, require
+from ..roofline import measure_read_bandwidth
+
+RESULTS_DIR = Path("docs/results")
+BEGIN = "<!-- results:begin (python -m sparsedraft results) -->"
+END = "<!-- results:end -->"
+# Top-level fields a record must hold; ``machine`` and ``result`` must hold theirs.
+REQUIRED = ("command", "commit", "dirty", "date", "machine", "result")
+MACHINE_REQUIRED = ("isa", "read_gb_s")
+# (flag in /proc/cpuinfo, name), best last: the widest vector path this CPU offers.
+ISA_LADDER = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
+
+
+def isa_path(cpuinfo: str | None = None) -> str:
+    """The best of AVX2 / AVX-512 / AVX512-BF16 / AMX the CPU reports, else the machine name (e.g. aarch64)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            flags.update(line.split(":", 1)[1].split())
+    best = [name for flag, name in ISA_LADDER if flag in flags]
+    return best[-1] if best else platform.machine() or "unknown"
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def provenance(root: Path | None = None) -> dict[str, Any]:
+    """Commit, dirty flag and UTC date of a measurement made from the checkout at ``root`` (this file's)."""
+    root = root or Path(__file__).resolve().parent
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return {"commit": _git(root, "rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def machine(read_gb_s: float | None = None) -> dict[str, Any]:
+    """The machine a figure was measured on; the read bandwidth is measured here when not given."""
+    if read_gb_s is None or read_gb_s != read_gb_s:  # absent or NaN
+        read_gb_s = measure_read_bandwidth("cpu") / 1e9
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
+               platform.processor())
+    return {"isa": isa_path(), "cpu": cpu, "cores": os.cpu_count(), "read_gb_s": round(read_gb_s, 2)}
+
+
+def _cpuinfo_lines() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def write_record(path: str | Path, result: dict[str, Any], read_gb_s: float | None = None,
+                 command: str | None = None) -> Path:
+    """Write ``result`` (a bench's ``to_dict()``) with its provenance to ``path`` as indented JSON."""
+    path = Path(path)
+    require(path.suffix == ".json", f"a record is a .json file, got {str(path)!r}")
+    command = command or "python -m sparsedraft " + shlex.join(sys.argv[1:])
+    record = {"command": command, **provenance(), "machine": machine(read_gb_s), "result": result}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def check_record(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """``record`` if it holds every required field, else one error naming the file and the field."""
+    for key in REQUIRED:
+        require(record.get(key) is not None, f"{where}: record has no {key!r}; rewrite it with bench --record")
+    for key in MACHINE_REQUIRED:
+        require(record["machine"].get(key) is not None, f"{where}: record has no machine.{key!r}")
+    require(isinstance(record["result"].get("rows"), list) and record["result"]["rows"],
+            f"{where}: record's result has no rows")
+    return record
+
+
+def load_records(folder: str | Path = RESULTS_DIR) -> list[tuple[str, dict[str, Any]]]:
+    """(file name, record) for every ``*.json`` in ``folder``, sorted by name, each checked."""
+    files = sorted(Path(folder).glob("*.json"))
+    return [(f.name, check_record(json.loads(f.read_text()), str(f))) for f in files]
+
+
+def _acceptance(row: dict[str, Any]) -> str:
+    return " / ".join(f"{v:.2f}" for v in row.get("acceptance", {}).values()) or "-"
+
+
+def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
+    result, m = record["result"], record["machine"]
+    c = result["config"]
+    base = result["rows"][0]
+    out = []
+    for row in result["rows"][1:]:
+        match = {True: "yes", False: "**no**", None: "-"}[row.get("tokens_match")]
+        law = "greedy" if c["temperature"] == 0 else f"T {c['temperature']}, top-p {c['top_p']}"
+        options = ", ".join(f"{k} {v}" for k, v in row.get("options", {}).items())
+        out.append([f"{row['method']} ({options})" if options else row["method"], c["model"],
+                    f"{result['prompt_len']:,}", f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
+                    f"{row['ms_per_token']:.1f}", f"**{row['speedup']:.2f}x**", _acceptance(row), match,
+                    f"{record['date'][:10]}, {record['commit'][:7]}{'+' if record['dirty'] else ''}",
+                    f"{m['isa']}, {m['read_gb_s']:.1f} GB/s", f"[{name}](docs/results/{name})"])
+    return out
+
+
+RENDERERS: dict[str, Callable[[str, dict[str, Any]], list[list[str]]]] = {"compare": _compare_rows}
+HEADER = ["method (options)", "model", "context", "tokens", "AR ms/tok", "method ms/tok", "speedup",
+          "acceptance (per level)", "tokens = AR", "date, commit", "machine: ISA, read", "record"]
+
+
+def render_table(records: list[tuple[str, dict[str, Any]]]) -> str:
+    """A markdown table, one line per method row of every compare record (other benches are skipped)."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for name, record in records:
+        for cells in RENDERERS.get(record["result"].get("bench"), lambda *_: [])(name, record):
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def refresh_readme(readme: str | Path = "README.md", folder: str | Path = RESULTS_DIR) -> str:
+    """Replace the text between :data:`BEGIN` and :data:`END` in ``readme`` by the table of ``folder``'s records."""
+    readme = Path(readme)
+    text = readme.read_text()
+    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+        raise SparsedraftError(f"{readme} lacks the markers {BEGIN!r} ... {END!r}; put them where the table goes")
+    table = render_table(load_records(folder))
+    head, rest = text.split(BEGIN, 1)
+    new = f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}"
+    readme.write_text(new)
+    return table
