@@ -1,0 +1,70 @@
+"""Results records: the README's table is rendered from them, and a record without its provenance is refused."""
+
+import json
+
+import pytest
+
+from sparsedraft.bench.record import BEGIN, END, isa_path, load_records, refresh_readme, render_table, write_record
+from sparsedraft.errors import SparsedraftError
+
+
+def _result() -> dict:
+    row = dict(method="ar", ms_per_token=50.0, speedup=1.0, tokens_match=True, acceptance={}, options={})
+    tri = dict(method="triforce", ms_per_token=40.0, speedup=1.25, tokens_match=True,
+               acceptance={"level2": 0.5, "target": 0.75}, options={"budget": 512})
+    config = dict(model="smollm2-135m", new_tokens=64, temperature=0.0, top_p=1.0)
+    return {"bench": "compare", "config": config, "prompt_len": 4000, "read_gb_s": 20.0, "rows": [row, tri]}
+
+
+def _record(tmp_path, name="tri.json", drop=None):
+    path = write_record(tmp_path / name, _result(), read_gb_s=20.0, command="python -m sparsedraft bench triforce")
+    record = json.loads(path.read_text())
+    if drop:
+        record.pop(drop)
+        path.write_text(json.dumps(record))
+    return record
+
+
+def test_write_record_names_command_commit_date_and_machine(tmp_path):
+    record = _record(tmp_path)
+    assert record["command"] == "python -m sparsedraft bench triforce"
+    assert record["machine"]["read_gb_s"] == 20.0 and record["machine"]["isa"]
+    assert set(record) >= {"commit", "dirty", "date", "result"}
+
+
+def test_render_table_gives_one_line_per_method_row(tmp_path):
+    record = _record(tmp_path)
+    record.update(commit="0123456789abcdef", dirty=False, date="2026-12-03T21:00:00Z")
+    record["machine"].update(isa="AVX2")
+    lines = render_table([("tri.json", record)]).splitlines()
+    assert len(lines) == 3  # header, rule, the triforce row (the baseline is a column, not a row)
+    assert lines[2] == ("| triforce (budget 512) | smollm2-135m | 4,000 | 64 greedy | 50.0 | 40.0 | **1.25x** "
+                        "| 0.50 / 0.75 | yes | 2026-12-03, 0123456 | AVX2, 20.0 GB/s | "
+                        "[tri.json](docs/results/tri.json) |")
+
+
+@pytest.mark.parametrize("field", ["commit", "date", "machine", "command"])
+def test_a_record_missing_a_field_is_refused(tmp_path, field):
+    _record(tmp_path, drop=field)
+    with pytest.raises(SparsedraftError, match=field):
+        load_records(tmp_path)
+
+
+def test_refresh_readme_replaces_only_between_the_markers(tmp_path):
+    records = tmp_path / "results"
+    _record(records)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nold table\n{END}\nafter\n")
+    refresh_readme(readme, records)
+    text = readme.read_text()
+    assert text.startswith(f"intro\n{BEGIN}\n| method") and text.endswith(f"|\n{END}\nafter\n")
+    assert "old table" not in text and "**1.25x**" in text
+    readme.write_text("no markers\n")
+    with pytest.raises(SparsedraftError, match="markers"):
+        refresh_readme(readme, records)
+
+
+def test_isa_path_takes_the_best_flag():
+    assert isa_path("flags\t: sse avx avx2 fma\n") == "AVX2"
+    assert isa_path("flags\t: avx2 avx512f avx512_bf16\n") == "AVX512-BF16"
+    assert isa_path("flags\t: avx2 avx512f avx512_bf16 amx_tile amx_bf16\n") == "AMX"
