@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sparsedraft.budgetdraft.drafter import budget_prefill
+from sparsedraft.speculative.budget import budget_prefill
 from sparsedraft.caches import BudgetCache
 from sparsedraft.caches.budget import observation_window, top_chunks
 from sparsedraft.errors import SparsedraftError
@@ -160,7 +160,7 @@ def test_the_chunk_rule_decides_what_select_takes():
 
 @pytest.mark.parametrize("scoring", ["attention", "keys"])
 def test_a_forked_prefill_selects_exactly_what_a_prefill_of_its_own_would(scoring):
-    from sparsedraft.budgetdraft.drafter import fill_prefix
+    from sparsedraft.speculative.budget import fill_prefix
     model = tiny_model("llama")
     tokens = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
     prefix = BudgetCache(model.cfg, 16, 100, CHUNK, WINDOW, scoring=scoring)

@@ -4,7 +4,7 @@ acceptance estimate agrees with the real speculative decoder."""
 import pytest
 import torch
 
-from sparsedraft.budgetdraft.drafter import BudgetDrafter
+from sparsedraft.speculative.budget import BudgetDrafter
 from sparsedraft.analysis.intervals import mean_interval
 from sparsedraft.budgetdraft.evaluate import (acceptance_grid, draft_matches, drafters_from_runs, robustness_from_grid,
                                               robustness_table, simulate_greedy, speculative_acceptance)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sparsedraft.budgetdraft.drafter import budget_prefill
+from sparsedraft.speculative.budget import budget_prefill
 from sparsedraft.budgetdraft.loss import full_forward, sparse_forward
 from sparsedraft.budgetdraft.view import kept_prefix
 from sparsedraft.caches import BudgetCache

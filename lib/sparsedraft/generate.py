@@ -84,7 +84,9 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int
     [B, H, n, D] of the last ``n = min(capture_last, T)`` tokens for each layer
     in ``capture.layers``: the last prompt token's query that selects a
     retrieval cache (n = 1), or every query for the attention analyses (n = T).
-    Only chunks holding those tokens record anything. A prompt of more than one
+    Only chunks holding those tokens record anything. ``capture.hidden`` also
+    collects every token's top-layer features, ``capture.features`` [B, T, hidden]
+    (what a feature drafter's cache is filled from). A prompt of more than one
     chunk counts its tokens on a :func:`~sparsedraft.progress.bar` (shown only
     when bars are on; on a GPU it counts chunks launched, as it adds no sync).
     """
@@ -97,17 +99,24 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int
     length = tokens.shape[1]
     first = length - min(capture_last, length)  # first token whose query is recorded
     parts: dict[int, list[torch.Tensor]] = defaultdict(list)
+    hidden = capture is not None and capture.hidden
+    features: list[torch.Tensor] = []
     logits = None
     spans = prefill_spans(length, chunk)
     with bar(total=length, desc="prefill", unit="tok", unit_scale=True, show=len(spans) > 2) as progress:
         for start, stop in spans:
-            step = Capture(layers=capture.layers) if capture is not None and stop > first else None
+            queries = capture is not None and stop > first
+            step = Capture(layers=capture.layers if queries else set(), hidden=hidden) if queries or hidden else None
             logits = model(tokens[:, start:stop], cache=cache, last_only=True, capture=step)
             for layer, q in (step.queries.items() if step is not None else ()):
                 parts[layer].append(q[:, :, max(first - start, 0):])
+            if hidden:
+                features.append(step.features)
             progress.update(stop - start)
     if capture is not None:
         capture.queries.update({layer: torch.cat(qs, 2) for layer, qs in parts.items()})
+    if hidden:
+        capture.features = torch.cat(features, 1)
     return logits[:, -1]
 
 

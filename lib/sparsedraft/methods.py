@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from .budgetdraft.checkpoint import check_drafter_for, has_checkpoint, load_drafter, read_state
-from .budgetdraft.drafter import BudgetDrafter
+from .speculative.budget import BudgetDrafter
 from .caches import StreamingCache, rebuild_policy
 from .caches.budget import SCORINGS
 from .caches.retrieval import GROUP_REDUCTIONS
@@ -34,16 +34,19 @@ from .prefilled import PrefilledPrompt
 from .sampling import SamplingConfig
 from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retrieval, speculative, triforce,
                           truncated_draft)
-from .speculative.vocab import frequent_tokens_of, restrict_head
+from .speculative.feature import FeatureHead, is_feature_drafter, load_feature_head, read_record
+from .speculative.feature_drafter import FeatureDrafter
+from .speculative.vocab import SubsetHead, frequent_tokens_of, restrict_head
 
 DRAFT_CACHES = ("full", "streaming", "budget")
 SELF = "self"  # the target drafts for itself over a sparse cache of its own (prefilled through it)
 
 
 def _check_draft(draft: Any) -> None:
-    if isinstance(draft, (Transformer, Drafter)):
+    if isinstance(draft, (Transformer, Drafter, FeatureHead)):
         return
-    require(isinstance(draft, str), f"draft must be a model source string, a Transformer or a Drafter, got {type(draft).__name__}")
+    require(isinstance(draft, str), f"draft must be a model source string, a Transformer, a FeatureHead or a Drafter, "
+                                    f"got {type(draft).__name__}")
     require(not draft.startswith("truncated:") or draft.removeprefix("truncated:").isdigit(),
             f"draft {draft!r}: write truncated:K with K the number of target layers kept")
 
@@ -71,6 +74,8 @@ def _chunk_scoring(draft: Any, chunk_scoring: str) -> str:
         return chunk_scoring
     if isinstance(draft, str) and has_checkpoint(Path(draft)):
         return read_state(Path(draft))["config"].get("scoring", "attention")
+    if isinstance(draft, str) and is_feature_drafter(draft):
+        return read_record(draft).get("scoring", "attention")
     return "attention"
 
 
@@ -79,6 +84,13 @@ def _check_draft_source(draft: Any, cfg: ModelConfig) -> None:
     BudgetDraft run folder must be readable and trained for this verifier's vocabulary."""
     if isinstance(draft, str) and has_checkpoint(Path(draft)):
         check_drafter_for(Path(draft), cfg.vocab_size)
+        return
+    if isinstance(draft, str) and is_feature_drafter(draft):
+        theirs = read_record(draft)["target"]
+        require((theirs.get("vocab_size"), theirs.get("hidden_size")) == (cfg.vocab_size, cfg.hidden_size),
+                f"the feature drafter in {draft} reads a target of vocabulary {theirs.get('vocab_size')} and hidden "
+                f"size {theirs.get('hidden_size')} ({theirs.get('source')!r}), not this one ({cfg.vocab_size}, "
+                f"{cfg.hidden_size}); use the target it was trained for")
         return
     if not isinstance(draft, str) or draft in ("ngram", SELF) or draft.startswith("truncated:"):
         return
@@ -145,8 +157,8 @@ class SpecOptions(StreamingDraftOptions):
     draft: str = field(default="ngram", metadata={
         "help": "ngram (prompt lookup), self (the target itself over a sparse draft cache it prefills; "
                 "retrieval --group-reduce recent gets StreamingLLM self-speculation by a copy instead), "
-                "truncated:K (the target's first K layers), a model source, or a BudgetDraft "
-                "run folder; from Python also a Transformer or Drafter"})
+                "truncated:K (the target's first K layers), a model source, a BudgetDraft run folder or a feature "
+                "drafter folder (train-drafter --kind feature); from Python also a Transformer or Drafter"})
     draft_cache: str = field(default="full", metadata={
         "help": "the draft model's cache: full, streaming (sink + window) or budget (BudgetDraft, --budget tokens)",
         "choices": DRAFT_CACHES})
@@ -190,7 +202,8 @@ class BudgetDraftOptions:
     """A BudgetDraft drafter over its budgeted sparse cache drafts for the full target."""
 
     draft: str = field(default="outputs/budgetdraft/default", metadata={
-        "help": "a BudgetDraft run folder (train-drafter), a model source, or from Python a Transformer"})
+        "help": "a BudgetDraft run folder or a feature drafter folder (train-drafter), a model source, or from "
+                "Python a Transformer"})
     budget: int = field(default=1024, metadata={"help": "drafter KV budget in tokens (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "chunk size of the budget cache"})
     gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
@@ -251,8 +264,8 @@ class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
     """Level 1 (draft, gamma1) -> level 2 (target + retrieval cache, gamma2) -> level 3 (full target)."""
 
     draft: str = field(default="ngram", metadata={
-        "help": "level 1: ngram (prompt lookup), truncated:K, a model source or a BudgetDraft run folder (streaming "
-                "cache); from Python also a Transformer or Drafter"})
+        "help": "level 1: ngram (prompt lookup), truncated:K, a model source, a BudgetDraft run folder or a feature "
+                "drafter folder (streaming cache); from Python also a Transformer or Drafter"})
     gamma1: int = field(default=4, metadata={"help": "level-1 draft tokens per level-2 verification"})
     gamma2: int = field(default=8, metadata={"help": "level-2 tokens per full-target verification"})
     draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
@@ -273,8 +286,8 @@ class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
         super().check(cfg, prompt_len)
 
 
-def load_draft(draft: str | Transformer | Drafter, target: Transformer,
-               draft_vocab: int = 0) -> Transformer | Drafter | None:
+def load_draft(draft: str | Transformer | Drafter | FeatureHead, target: Transformer,
+               draft_vocab: int = 0) -> Transformer | Drafter | FeatureHead | None:
     """A draft made concrete, its head restricted to ``draft_vocab`` frequent tokens when that is not 0 (see
     :mod:`sparsedraft.speculative.vocab`; the target's tokenizer counts them)."""
     model = _load_draft(draft, target)
@@ -283,13 +296,18 @@ def load_draft(draft: str | Transformer | Drafter, target: Transformer,
     source = getattr(target, "source", None)
     require(source is not None, "draft_vocab counts tokens with the target's tokenizer, but this target does not say "
                                 "where it was loaded from; load it with sparsedraft.load_model")
-    return restrict_head(model, frequent_tokens_of(source, draft_vocab, target.cfg.vocab_size))
+    ids = frequent_tokens_of(source, draft_vocab, target.cfg.vocab_size)
+    if isinstance(model, FeatureHead):
+        return model.attach(target, SubsetHead(target.lm_head.weight, ids, target.cfg.vocab_size))
+    return restrict_head(model, ids)
 
 
-def _load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Transformer | Drafter | None:
+def _load_draft(draft: str | Transformer | Drafter | FeatureHead,
+                target: Transformer) -> Transformer | Drafter | FeatureHead | None:
     """``ngram`` -> None (prompt lookup), ``self`` -> the target, ``truncated:K`` -> the target's first K layers
-    (shared weights), a BudgetDraft run folder -> its drafter (checked against the target first), any other
-    model source -> a loaded model; objects pass through. Models land on the target's device and dtype."""
+    (shared weights), a BudgetDraft run folder -> its drafter (checked against the target first), a feature
+    drafter folder -> its head attached to the target (checked against it first), any other model source -> a
+    loaded model; objects pass through. Models land on the target's device and dtype."""
     if not isinstance(draft, str):
         return draft
     if draft == "ngram":
@@ -301,12 +319,22 @@ def _load_draft(draft: str | Transformer | Drafter, target: Transformer) -> Tran
     if has_checkpoint(Path(draft)):
         check_drafter_for(Path(draft), target.cfg.vocab_size, getattr(target, "source", None))
         return load_drafter(draft, target.dtype, target.device)
+    if is_feature_drafter(draft):
+        return load_feature_head(draft, target)
     from .weights import load_model
     return load_model(draft, target.dtype, target.device)
 
 
-def _level1(draft: Transformer | Drafter | None, target: Transformer) -> Transformer | Drafter:
-    return NgramDrafter(target.cfg.vocab_size) if draft is None else draft
+def _level1(draft: Transformer | Drafter | FeatureHead | None, target: Transformer,
+            opts: TriforceOptions) -> Transformer | Drafter:
+    """TriForce's level 1 as its driver takes it: prompt lookup for ``None``, a feature head over a streaming cache
+    of its own (it rolls back up to gamma1 + gamma2 entries, as a draft model's streaming cache does)."""
+    if draft is None:
+        return NgramDrafter(target.cfg.vocab_size)
+    if isinstance(draft, FeatureHead):
+        return FeatureDrafter.create(draft, "streaming", 0, gamma=opts.gamma1 + opts.gamma2, sink=opts.sink,
+                                     window=opts.window, positions=opts.draft_positions)
+    return draft
 
 
 Outcome = GenerationResult | SpecResult
@@ -320,8 +348,15 @@ def run_ar(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sampling
 def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig, opts: SpecOptions,
              eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     draft = load_draft(opts.draft, target, opts.draft_vocab)
-    if draft is None or isinstance(draft, Drafter):
-        drafter = _level1(draft, target)
+    if draft is None:
+        drafter = NgramDrafter(target.cfg.vocab_size)
+    elif isinstance(draft, Drafter):
+        drafter = draft
+    elif isinstance(draft, FeatureHead):
+        drafter = FeatureDrafter.create(draft, opts.draft_cache, prompt.shape[1] + n, gamma=opts.gamma, sink=opts.sink,
+                                        window=opts.window, budget=opts.budget, chunk_size=opts.chunk_size,
+                                        scoring=_chunk_scoring(opts.draft, opts.chunk_scoring),
+                                        positions=opts.draft_positions)
     elif opts.draft_cache == "budget":
         drafter = BudgetDrafter.create(draft, opts.budget, prompt.shape[1] + n, opts.chunk_size,
                                        scoring=_chunk_scoring(opts.draft, opts.chunk_scoring))
@@ -350,7 +385,7 @@ def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: S
 
 def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
                  opts: TriforceOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
-    level1 = _level1(load_draft(opts.draft, target, opts.draft_vocab), target)
+    level1 = _level1(load_draft(opts.draft, target, opts.draft_vocab), target, opts)
     return triforce(target, level1, prompt, n, sampling, gamma1=opts.gamma1, gamma2=opts.gamma2, budget=opts.budget,
                     chunk_size=opts.chunk_size, sink=opts.sink, window=opts.window, rebuild=opts.rebuild,
                     group_reduce=opts.group_reduce, draft_positions=opts.draft_positions, eos_token_id=eos,

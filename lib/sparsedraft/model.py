@@ -39,13 +39,17 @@ class Capture:
 
     queries: post-RoPE queries [B, H, T, D]; weights: softmax attention
     [B, H, T, S] over the keys the cache exposed; key_positions are not
-    needed because caches expose keys in slot order.
+    needed because caches expose keys in slot order. ``hidden`` asks for the
+    top layer's output before the final norm (what a feature drafter reads),
+    kept in ``features`` [B, T, hidden] for every token of the step.
     """
 
     layers: set[int]
     weights: bool = False
+    hidden: bool = False
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     attention: dict[int, torch.Tensor] = field(default_factory=dict)
+    features: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -268,6 +272,20 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def run_layers(layers: nn.ModuleList, rotary: Rotary, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+               capture: Capture | None = None) -> torch.Tensor:
+    """``x`` [B, T, hidden] through ``layers`` over ``cache`` at ``positions`` ([B, T] or [T]): the body of every
+    forward (the target's, and a feature drafter's one layer)."""
+    if positions.dim() == 1:
+        positions = positions[None].expand(x.shape[0], -1)
+    angles = rotary.angles(cache.begin(positions), x.dtype)
+    for block in layers:
+        x = block(x, angles, cache, capture)
+    _BIAS.clear()  # a converted mask (up to T x S floats) is not kept past its forward
+    cache.end()
+    return x
+
+
 class Transformer(nn.Module):
     """Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj``...)."""
 
@@ -311,15 +329,9 @@ class Transformer(nn.Module):
         if positions is None:
             start = getattr(cache, "length", 0)
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        if positions.dim() == 1:
-            positions = positions[None].expand(tokens.shape[0], -1)
-        rope_positions = cache.begin(positions)
-        angles = self.rotary.angles(rope_positions, self.dtype)
-        x = self.embed_tokens(tokens)
-        for block in self.layers:
-            x = block(x, angles, cache, capture)
-        _BIAS.clear()  # a converted mask (up to T x S floats) is not kept past its forward
-        cache.end()
+        x = run_layers(self.layers, self.rotary, self.embed_tokens(tokens), positions, cache, capture)
+        if capture is not None and capture.hidden:
+            capture.features = x.detach()
         if last_only:
             x = x[:, -1:]
         return project(self.lm_head, self.norm(x))

@@ -41,7 +41,7 @@ from .generate import synchronize
 from .model import Transformer
 from .prefilled import PrefilledPrompt, as_prompt, first_difference, model_identity, tensor_digest
 
-FORMAT = 1  # bump when the layout of an entry changes: older entries then miss
+FORMAT = 2  # 2: prompt features (feature drafters) beside the cache; bump when the layout of an entry changes: older entries then miss
 SUFFIX = ".safetensors"
 GiB = 2 ** 30
 DEFAULT_MAX_BYTES = 4 * GiB
@@ -116,9 +116,10 @@ class PrefillStore:
         tensors = {name: t for name, t in tensors.items() if not name.startswith(CACHE_PREFIX)}
         queries = {int(name[1:]): t.to(device, copy=True) for name, t in tensors.items() if name.startswith("q")}
         logits = tensors["logits"].to(device, copy=True)
+        features = tensors["features"].to(device, copy=True) if "features" in tensors else None
         synchronize(device)
         return PrefilledPrompt(tokens, cache, logits, queries, model_identity(model), float(meta["seconds"]),
-                               str(path), time.perf_counter() - start)
+                               str(path), time.perf_counter() - start, features)
 
     def save(self, prefilled: PrefilledPrompt) -> Path | None:
         """Write ``prefilled`` (replacing an entry of the same key), then evict down to the cap; the path,
@@ -126,6 +127,7 @@ class PrefillStore:
         key = entry_key(prefilled.model, prefilled.tokens)
         tensors = {"tokens": prefilled.tokens, "logits": prefilled.logits,
                    **{f"q{layer}": q for layer, q in prefilled.queries.items()},
+                   **({"features": prefilled.features} if prefilled.features is not None else {}),
                    **{CACHE_PREFIX + name: t for name, t in prefilled.cache.state().items()}}
         tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
         meta = {"key": json.dumps(key, sort_keys=True), "checksum": tensor_digest(sorted(tensors.items())),

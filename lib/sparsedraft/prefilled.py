@@ -98,6 +98,7 @@ class PrefilledPrompt:
     seconds: float  # wall time of the prompt forward where it was computed (a disk copy keeps that time)
     loaded_from: str | None = None  # the file it was read from; None when computed in this process
     load_s: float = 0.0  # seconds reading and verifying that file
+    features: torch.Tensor | None = None  # [B, T, hidden] top-layer features of every prompt token (feature drafters)
 
     @property
     def prompt_len(self) -> int:
@@ -134,14 +135,15 @@ def compute_prefill(model: Transformer, prompt: torch.Tensor, warmup: bool = Fal
         first = tokens[:, :PREFILL_CHUNK]
         prefill(model, model.new_cache(first.shape[1], first.shape[0]), first)
     cache = model.new_cache(tokens.shape[1], tokens.shape[0])
-    capture = Capture(layers=set(range(model.cfg.num_layers)))
+    capture = Capture(layers=set(range(model.cfg.num_layers)), hidden=True)
     synchronize(device)
     t0 = time.perf_counter()
     logits = prefill(model, cache, tokens, capture=capture)
     synchronize(device)
     seconds = time.perf_counter() - t0
     queries = {layer: q[:, :, -1].clone() for layer, q in capture.queries.items()}
-    return PrefilledPrompt(prompt.cpu(), cache, logits, queries, model_identity(model), seconds)
+    return PrefilledPrompt(prompt.cpu(), cache, logits, queries, model_identity(model), seconds,
+                           features=capture.features)
 
 
 def prefill_prompt(model: Transformer, prompt: torch.Tensor | Sequence[int], *, store: PrefillStore | None = None,

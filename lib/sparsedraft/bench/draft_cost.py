@@ -57,7 +57,7 @@ def draft_step_costs(verifier: Transformer, drafter: Transformer, prompt: torch.
                      scoring: str = "attention", verify_tokens: int = 5) -> list[DraftCostRow]:
     """One row per entry of ``draft_vocabs`` (0: the full head), timed at ``prompt``'s length [1, T], with a
     ``verify_tokens``-token verification over the full cache timed in the same rounds."""
-    from ..budgetdraft.drafter import budget_prefill
+    from ..speculative.budget import budget_prefill
 
     context = prompt.shape[1]
     vocab = verifier.cfg.vocab_size

@@ -6,7 +6,8 @@
 - :mod:`.loss`: L = L_A + lambda * L_C and the agreement proxy;
 - :mod:`.init`: drafter inits (verifier layers, scratch body, another model);
 - :mod:`.train` / :mod:`.checkpoint`: the loop, resume, run folders;
-- :mod:`.drafter`: :func:`budget_prefill` and :class:`BudgetDrafter` for the speculative driver;
+- :func:`budget_prefill` and :class:`BudgetDrafter` for the speculative driver live with the other drafters
+  (:mod:`sparsedraft.speculative.budget`) and are re-exported here;
 - :mod:`.evaluate`: acceptance over context and budget, the robustness table;
 - :mod:`.cli`: ``train-drafter``.
 
@@ -15,7 +16,7 @@ The inference cache itself is :class:`sparsedraft.caches.BudgetCache`.
 
 from .checkpoint import load_drafter
 from .config import TrainConfig
-from .drafter import BudgetDrafter, budget_prefill
+from ..speculative.budget import BudgetDrafter, budget_prefill
 from .evaluate import (AcceptanceStats, acceptance_grid, check_trained_budgets, draft_matches, robustness_from_grid,
                        robustness_table, simulate_greedy, speculative_acceptance)
 from .loss import agreement, budgetdraft_loss

@@ -32,7 +32,7 @@ from ..model import Transformer
 from ..progress import bar
 from ..speculative import speculative
 from .checkpoint import load_checkpoint, load_drafter
-from .drafter import BudgetDrafter, fill_prefix
+from ..speculative.budget import BudgetDrafter, fill_prefix
 from .init import init_drafter
 
 

@@ -29,7 +29,7 @@ like a full :class:`~sparsedraft.cache.StaticCache`.
 
 The cache protocol hands a cache keys and values, never attention, so under
 the attention rule the cache cannot score its own chunks: whoever fills it (the drafter's prefill,
-:func:`sparsedraft.budgetdraft.drafter.budget_prefill`) opens the prefix with
+:func:`sparsedraft.speculative.budget.budget_prefill`) opens the prefix with
 :meth:`BudgetCache.open_prefix`, runs the model over it capturing the
 observation window's attention, and passes that to :meth:`BudgetCache.select`.
 A forward into a cache whose prefix was never opened is an error, not a

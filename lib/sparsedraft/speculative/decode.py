@@ -62,22 +62,28 @@ def check_run(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_n
     drafter.check(prompt.shape[1] + max_new_tokens)
     if prefilled is not None:
         prefilled.check(target, prompt)
+        require(not drafter.needs_target_features or prefilled.features is not None,
+                "this prefill holds no prompt features, which a feature drafter starts from; prefill again with "
+                "this version of sparsedraft (prefill_prompt) or pass no prefilled=")
 
 
 @torch.inference_mode()
 def prefill_target(target: Transformer, prompt: torch.Tensor, max_new_tokens: int, capture: bool,
-                   prefilled: PrefilledPrompt | None = None) -> TargetState:
-    """Full cache holding ``prompt`` [1, T], the logits after it, and its last token's queries if ``capture``;
-    copied from ``prefilled`` when given (checked by the caller), which stays as it was."""
+                   prefilled: PrefilledPrompt | None = None, features: bool = False) -> TargetState:
+    """Full cache holding ``prompt`` [1, T], the logits after it, its last token's queries if ``capture`` and
+    every prompt token's features if ``features``; copied from ``prefilled`` when given (checked by the
+    caller), which stays as it was."""
     cache = target.new_cache(prompt.shape[1] + max_new_tokens)
     if prefilled is not None:
         prefilled.seed(cache)
         queries = {layer: q.clone() for layer, q in prefilled.queries.items()} if capture else {}
-        return TargetState(cache, queries, prefilled.logits[0].clone())
-    last = Capture(layers=set(range(target.cfg.num_layers))) if capture else None
+        return TargetState(cache, queries, prefilled.logits[0].clone(),
+                           prefilled.features[0] if features else None)
+    last = Capture(layers=set(range(target.cfg.num_layers)) if capture else set(), hidden=features) \
+        if capture or features else None
     logits = prefill(target, cache, prompt, capture=last)
-    queries = {layer: q[:, :, -1] for layer, q in last.queries.items()} if last else {}
-    return TargetState(cache, queries, logits[0])
+    queries = {layer: q[:, :, -1] for layer, q in last.queries.items()} if capture else {}
+    return TargetState(cache, queries, logits[0], last.features[0] if features else None)
 
 
 @torch.inference_mode()
@@ -101,7 +107,8 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
     watch = Stopwatch(target.device)
     synchronize(target.device)
     t0 = time.perf_counter()
-    state = prefill_target(target, prompt, max_new_tokens, drafter.needs_target_queries, prefilled)
+    state = prefill_target(target, prompt, max_new_tokens, drafter.needs_target_queries, prefilled,
+                           drafter.needs_target_features)
     drafter.start(prompt[0], state, DraftContext(sampling, generator, watch))
     full = state.cache
     full.rollback(1)  # re-fed by the first verification (module docstring)
@@ -110,7 +117,9 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
     t1 = time.perf_counter()
 
     level = LevelStats(TARGET)
-    capture = Capture(layers=set(range(target.cfg.num_layers))) if drafter.needs_target_queries else None
+    queries, features = drafter.needs_target_queries, drafter.needs_target_features
+    capture = Capture(layers=set(range(target.cfg.num_layers)) if queries else set(), hidden=features) \
+        if queries or features else None
     recent, since_build, rebuilds = MovingAverage(policy.acceptance_window), 0, 0
     out: list[int] = []
     pending = prompt[:, -1:]
@@ -119,6 +128,7 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
             proposal = drafter.propose(min(gamma, max_new_tokens - len(out) - 1))  # never overshoot
         g = proposal.tokens.numel()
         with watch(VERIFY):
+            state.features_start = full.length
             positions = torch.arange(full.length, full.length + g + 1, device=target.device)
             logits = target(torch.cat((pending, proposal.tokens[None]), 1), positions, full, capture=capture)
             verdict = verify(proposal.tokens, proposal.q, probabilities(logits[0], sampling),
@@ -128,8 +138,10 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
         new = proposal.tokens[:verdict.accepted].tolist() + [verdict.token]
         out += new
         pending = torch.tensor([[verdict.token]], device=target.device)
-        if capture is not None:
+        if queries:
             state.queries = {layer: q[:, :, verdict.accepted] for layer, q in capture.queries.items()}
+        if features:
+            state.features = capture.features[0]
         with watch(SYNC):
             drafter.commit(verdict.accepted, verdict.token, state)
         since_build += len(new)

@@ -30,7 +30,7 @@ from ..cache import KVCache, StaticCache
 from ..caches import RetrievalCache
 from ..errors import require
 from ..generate import prefill
-from ..model import Transformer
+from ..model import Capture, Transformer
 from ..sampling import SamplingConfig, probabilities
 from .stats import LevelStats, Stopwatch
 
@@ -54,6 +54,11 @@ class TargetState:
     cache: StaticCache
     queries: dict[int, torch.Tensor]  # layer -> [B, heads, head_dim] post-RoPE query of the newest token
     logits: torch.Tensor | None = None  # [V] at start: the target's logits after the last prompt token
+    # For a drafter that ``needs_target_features``: top-layer features [n, hidden] of the positions
+    # features_start.. (at start the whole prompt; after a verification its rows: the pending token, then
+    # each drafted token), from the forward the target ran anyway
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class Drafter(ABC):
 
     vocab_size: int
     needs_target_queries = False  # True: the driver captures the target's queries for start and rebuild
+    needs_target_features = False  # True: the driver hands over the target's features (TargetState.features)
     proposed = 0  # length of the last proposal, not yet committed
 
     def check(self, context: int) -> None:
@@ -104,6 +110,10 @@ class Drafter(ABC):
         self.push(token)
         self.proposed = 0
 
+    def observe(self, target: TargetState | None) -> None:
+        """Take what a verifier computed anyway (its features) after a ``rewind``, before the ``push``; only a
+        drafter that ``needs_target_features`` reads it."""
+
     def rebuild(self, target: TargetState) -> bool:
         """Rebuild a cache that follows the target from its latest state; False when there is none."""
         return False
@@ -125,6 +135,11 @@ class ModelDrafter(Drafter):
         self.pending: list[int] = []
         self.position = 0  # true position of pending[0] = tokens whose K/V the cache holds
         self._scored = 0  # tokens of the last score() call, settled by keep()
+        # Set by a level above whose inner drafter reads features: each forward then keeps its tokens'
+        # top-layer features [t, hidden] and the position of the first (TargetState.features for that drafter)
+        self.keep_features = False
+        self.features: torch.Tensor | None = None
+        self.features_start = 0
 
     def check_cache(self, cache: KVCache) -> None:
         """Fail on a cache this drafter cannot fill (before any forward)."""
@@ -150,7 +165,11 @@ class ModelDrafter(Drafter):
         """Feed ``tokens`` at their true positions; logits [t, V] (or [1, V])."""
         device = self.model.device
         positions = torch.arange(self.position, self.position + len(tokens), device=device)
-        logits = self.model(torch.tensor([tokens], device=device), positions, self.cache, last_only=last_only)
+        capture = Capture(layers=set(), hidden=True) if self.keep_features else None
+        logits = self.model(torch.tensor([tokens], device=device), positions, self.cache, last_only=last_only,
+                            capture=capture)
+        if capture is not None:
+            self.features, self.features_start = capture.features[0], self.position
         self.position += len(tokens)
         return logits[0]
 

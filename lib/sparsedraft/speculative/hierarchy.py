@@ -90,6 +90,10 @@ class SpeculativeDrafter(Drafter):
         self.acceptance, self.name = acceptance, name
         self.vocab_size = verifier.vocab_size
         self.needs_target_queries = verifier.needs_target_queries
+        # A feature drafter inside reads the verifier's features after each inner round, and the full target's
+        # after each outer verification
+        self.needs_target_features = inner.needs_target_features
+        verifier.keep_features = inner.needs_target_features
         self.level = LevelStats(name)
 
     def check(self, context: int) -> None:
@@ -114,12 +118,19 @@ class SpeculativeDrafter(Drafter):
                 p = probabilities(self.verifier.score(inner.tokens.tolist()), ctx.sampling)  # [g+1, V]
                 verdict = verify(inner.tokens, inner.q, p, ctx.sampling.greedy, ctx.generator, self.acceptance)
             self.level.record(inner.tokens.numel(), verdict.accepted)
-            self.inner.commit(verdict.accepted, verdict.token)
+            self.inner.commit(verdict.accepted, verdict.token, self._verified())
             self.verifier.keep(verdict.accepted, verdict.token)
             tokens += inner.tokens[:verdict.accepted].tolist() + [verdict.token]
             qs.append(p[:verdict.accepted + 1])
         self.proposed = gamma
         return proposal_of(tokens, qs, self.vocab_size, self.verifier.model.device)
+
+    def _verified(self) -> TargetState | None:
+        """The verifier's last forward as the inner drafter's TargetState (only its features are read)."""
+        v = self.verifier
+        if not v.keep_features or v.features is None:
+            return None
+        return TargetState(v.cache, {}, None, v.features, v.features_start)
 
     def rewind(self, n: int) -> None:
         self.verifier.rewind(n)
@@ -133,6 +144,7 @@ class SpeculativeDrafter(Drafter):
         rejected = self.proposed - accepted
         self.verifier.commit(accepted, token, target)
         self.inner.rewind(rejected)
+        self.inner.observe(target)
         self.inner.push(token)
         self.proposed = 0
 

@@ -7,9 +7,14 @@ prefill belongs here: :func:`budget_prefill` runs the model over the prompt
 weights in one last forward, and hands them to :meth:`BudgetCache.select`.
 :class:`BudgetDrafter` prefills that way; everything after (drafting, exact
 rollback, commit) is :class:`~sparsedraft.speculative.ModelDrafter`'s.
+``model`` may be anything called like a Transformer with a ``cfg``: a feature
+drafter's head fills its budget cache through the same two functions
+(:class:`~sparsedraft.speculative.feature.Entries`).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -17,11 +22,11 @@ from ..caches.budget import BudgetCache, observation_window
 from ..errors import require
 from ..generate import PREFILL_CHUNK, prefill
 from ..model import Capture, Transformer
-from ..speculative import DraftContext, ModelDrafter, TargetState
+from .drafters import DraftContext, ModelDrafter, TargetState
 
 
 @torch.inference_mode()
-def budget_prefill(model: Transformer, cache: BudgetCache, tokens: torch.Tensor,
+def budget_prefill(model: Transformer | Callable, cache: BudgetCache, tokens: torch.Tensor,
                    chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """Prefill ``tokens`` [B, T] into the (reset) ``cache`` and select its chunks; return the last logits [B, V].
 
@@ -39,7 +44,7 @@ def budget_prefill(model: Transformer, cache: BudgetCache, tokens: torch.Tensor,
 
 
 @torch.inference_mode()
-def fill_prefix(model: Transformer, cache: BudgetCache, tokens: torch.Tensor, chunk: int = PREFILL_CHUNK
+def fill_prefix(model: Transformer | Callable, cache: BudgetCache, tokens: torch.Tensor, chunk: int = PREFILL_CHUNK
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
     """:func:`budget_prefill` up to, not including, the selection: (last logits [B, V], what ``cache.select``
     takes -- the window's attention, or None for keys scoring). Between the two, ``cache.fork(budget)`` can copy

@@ -1,0 +1,208 @@
+"""A one-layer feature drafter (EAGLE's shape): the target's own features in, the target's own head out.
+
+SmolLM2 has no smaller pretrained sibling, and a slice of its own layers is a
+poor drafter (6-16% accepted). EAGLE's answer: one decoder layer that reads
+the target's top-layer features (the hidden state before the final norm) and
+the embedding of the token that follows, ``x_t = fc([f_t; e(x_{t+1})])``, and
+predicts the next feature ``f_{t+1}``; the target's frozen final norm and LM
+head turn that into a token. Everything the target has read is summarised in
+``f_t``, so one layer of 30 is enough to guess the next token often, and a
+draft step costs one layer plus the head (a restricted head, ``draft_vocab``,
+makes the head cheap too).
+
+:class:`FeatureHead` owns only ``fc`` and its layer. The embedding, the final
+norm, the head and the rotary embedding (YaRN included) are the target's,
+attached by reference (:meth:`FeatureHead.attach`), never copied into the
+drafter's file. That file is a safetensors of the owned weights beside a JSON
+record of the target's :func:`fingerprint`, so a drafter loaded against another
+target is refused before any forward.
+
+The head's own KV cache is any :class:`~sparsedraft.cache.KVCache` of a
+one-layer config (:meth:`FeatureHead.layer_config`): a full
+:class:`~sparsedraft.cache.StaticCache`, a StreamingLLM window, or
+BudgetDraft's budgeted cache. Position ``t`` of that cache holds the entry
+``(f_t, x_{t+1})``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..cache import KVCache, SequenceView
+from ..config import ModelConfig
+from ..errors import SparsedraftError, require
+from ..model import Block, Capture, Transformer, project, run_layers
+
+WEIGHTS = "feature_drafter.safetensors"
+RECORD = "feature_drafter.json"
+KIND = "feature"
+FORMAT = 1  # bump when the owned weights or the record change meaning
+
+
+class FeatureHead(nn.Module):
+    """``fc`` [2*hidden -> hidden] and one decoder layer of the target's family; the rest is the target's."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = self.layer_config(cfg)
+        hidden = cfg.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList([Block(self.cfg, 0)])
+        self._borrow(None, None)
+
+    @staticmethod
+    def layer_config(cfg: ModelConfig) -> ModelConfig:
+        """The target's config cut to one layer: what the head's KV caches are sized with."""
+        return cfg.replace(num_layers=1)
+
+    def attach(self, target: Transformer, head: nn.Module | None = None) -> "FeatureHead":
+        """Borrow ``target``'s embedding, norm, rotary embedding and LM head (or ``head``, e.g. a
+        :class:`~sparsedraft.speculative.vocab.SubsetHead` over the target's head). Held outside the module
+        tree, so they are neither saved with the drafter nor trained."""
+        require(target.cfg.hidden_size == self.cfg.hidden_size and target.cfg.vocab_size == self.cfg.vocab_size,
+                f"a feature head for hidden {self.cfg.hidden_size} / vocab {self.cfg.vocab_size} cannot read a target "
+                f"with hidden {target.cfg.hidden_size} / vocab {target.cfg.vocab_size}")
+        self._borrow(target, head if head is not None else target.lm_head)
+        return self
+
+    def _borrow(self, target: Transformer | None, head: nn.Module | None) -> None:
+        # object.__setattr__: assigned normally, a module would join this one's parameters and state_dict
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_head", head)
+
+    @property
+    def target(self) -> Transformer:
+        require(self._target is not None, "this FeatureHead is not attached to a target; call attach(target) first")
+        return self._target
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def init_from(self, target: Transformer) -> "FeatureHead":
+        """EAGLE's start: the layer copies the target's top block, ``fc`` passes the feature through (the
+        embedding half starts at zero), so the untrained head predicts 'the same feature again'."""
+        self.layers[0].load_state_dict(target.layers[-1].state_dict())
+        hidden = self.cfg.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden] = torch.eye(hidden, dtype=self.dtype, device=self.device)
+        return self
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, capture: Capture | None = None) -> torch.Tensor:
+        """features [B, T, hidden] (f_t), tokens [B, T] (x_{t+1}) -> predicted features [B, T, hidden] (f_{t+1}).
+
+        ``positions`` (of the features, [B, T] or [T]) default to ``cache.length + arange(T)``; without a cache
+        the entries attend causally to each other only (training)."""
+        if cache is None:
+            cache = SequenceView(self.cfg.sliding_window)
+        if positions is None:
+            start = getattr(cache, "length", 0)
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        x = project(self.fc, torch.cat((features.to(self.dtype), self.target.embed_tokens(tokens)), -1))
+        return run_layers(self.layers, self.target.rotary, x, positions, cache, capture)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's final norm and head (or the attached restricted head) over features [..., hidden]."""
+        return project(self._head, self.target.norm(features))
+
+
+class Entries:
+    """The head seen as a model by the prefills that fill caches (``prefill``, BudgetDraft's ``fill_prefix``):
+    tokens in, features looked up by position in ``features`` [B, T, hidden], logits out."""
+
+    def __init__(self, head: FeatureHead, features: torch.Tensor):
+        self.head, self.features, self.cfg = head, features, head.cfg
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None, *,
+                 last_only: bool = False, capture: Capture | None = None) -> torch.Tensor:
+        start = getattr(cache, "length", 0) if positions is None else int(positions.reshape(-1)[0])
+        feats = self.features[:, start:start + tokens.shape[1]]
+        out = self.head(feats, tokens, positions, cache, capture)
+        return self.head.logits(out[:, -1:] if last_only else out)
+
+
+def _digest(tensors: list[tuple[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for name, t in tensors:  # bf16 first: the same target loaded in fp32 or bf16 gives one fingerprint
+        h.update(name.encode())
+        h.update(t.detach().to(torch.bfloat16).reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data)
+    return h.hexdigest()[:16]
+
+
+def fingerprint(target: Transformer) -> dict[str, Any]:
+    """What a feature drafter is tied to: the target's source, shape and RoPE settings, and a digest of the
+    weights it reads (embedding, final norm, head, top block). JSON-ready."""
+    cfg = target.cfg
+    named = [("embed", target.embed_tokens.weight), ("norm", target.norm.weight), ("head", target.lm_head.weight),
+             *sorted(target.layers[-1].state_dict().items())]
+    return {"source": getattr(target, "source", None), "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "rope_theta": cfg.rope_theta,
+            "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None, "weights": _digest(named)}
+
+
+def is_feature_drafter(folder: str | Path) -> bool:
+    return (Path(folder) / RECORD).is_file()
+
+
+def save_feature_head(head: FeatureHead, folder: str | Path, target: Transformer,
+                      extra: dict[str, Any] | None = None) -> Path:
+    """Write the owned weights (bf16 keeps the file small; the head is cast to the target's dtype on load) and
+    the record; ``extra`` (training recipe, measurements) is stored in the record as it is."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in head.state_dict().items()},
+              str(folder / WEIGHTS))
+    record = {"kind": KIND, "format": FORMAT, "target": fingerprint(target), **(extra or {})}
+    tmp = folder / (RECORD + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+    tmp.replace(folder / RECORD)
+    return folder
+
+
+def read_record(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / RECORD
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SparsedraftError(f"cannot read the feature drafter record {path}: {exc}") from exc
+    require(record.get("kind") == KIND and record.get("format") == FORMAT,
+            f"{path} is a drafter of kind {record.get('kind')!r}, format {record.get('format')!r}; this library reads "
+            f"kind {KIND!r}, format {FORMAT}: retrain it (sparsedraft train-drafter --kind feature)")
+    return record
+
+
+def check_feature_drafter(folder: str | Path, target: Transformer) -> dict[str, Any]:
+    """The folder's record, after checking it was trained for ``target``; one error naming both otherwise."""
+    record = read_record(folder)
+    require((Path(folder) / WEIGHTS).is_file(), f"{folder} has a record but no {WEIGHTS}; copy the whole folder")
+    theirs, mine = record["target"], fingerprint(target)
+    differs = sorted(k for k in mine if mine[k] != theirs.get(k))
+    require(not differs, f"the feature drafter in {folder} was trained for target {theirs.get('source')!r} "
+                         f"({', '.join(f'{k}={theirs.get(k)!r}' for k in differs)}), not for this target "
+                         f"{mine.get('source')!r} ({', '.join(f'{k}={mine[k]!r}' for k in differs)}); load the target "
+                         "it was trained for, or train a drafter for this one")
+    return record
+
+
+def load_feature_head(folder: str | Path, target: Transformer) -> FeatureHead:
+    """The drafter in ``folder``, checked against ``target`` first, on its device and dtype and attached."""
+    check_feature_drafter(folder, target)
+    head = FeatureHead(target.cfg)
+    weights = load_file(str(Path(folder) / WEIGHTS))
+    missing = set(head.state_dict()) ^ set(weights)
+    require(not missing, f"{folder}/{WEIGHTS} does not hold a feature head's weights (mismatched: {sorted(missing)})")
+    head.load_state_dict(weights)
+    return head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False).attach(target)

@@ -1,0 +1,169 @@
+"""The feature drafter (EAGLE's one layer over the target's features) inside every driver.
+
+Greedy output must equal plain greedy output token for token whatever the
+head drafts, over each of its three caches, as TriForce's first level, and
+through ``decode()`` from a saved folder; sampled output must keep the
+target's law (chi-square, with an always-accept mutant that the same test
+catches). A drafter folder is refused against another target before any
+forward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from table_models import always_accept, chi_square_pvalue
+
+from sparsedraft import SparsedraftError, decode
+from sparsedraft.generate import generate
+from sparsedraft.sampling import SamplingConfig
+from sparsedraft.speculative import speculative, triforce
+from sparsedraft.speculative.feature import FeatureHead, load_feature_head, save_feature_head
+from sparsedraft.speculative.feature_drafter import FeatureDrafter
+from sparsedraft.speculative.verify import standard_acceptance
+from sparsedraft.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 24
+
+
+def head_for(target, seed: int = 1, noise: float = 0.2) -> FeatureHead:
+    """EAGLE's initial head, perturbed so that it drafts wrong tokens too (rejections are exercised)."""
+    head = FeatureHead(target.cfg).init_from(target).attach(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
+    return head.requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("qwen3", seed=2)  # a seed whose greedy text the initial head gets partly right
+    prompt = torch.randint(0, target.cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    return target, head_for(target, noise=0.0), prompt, generate(target, prompt, NEW).tokens
+
+
+@pytest.mark.parametrize("cache", ["full", "streaming", "budget"])
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_speculation_with_a_feature_drafter_equals_autoregressive(pair, cache, gamma):
+    target, head, prompt, ar = pair
+    drafter = FeatureDrafter.create(head, cache, prompt.shape[1] + NEW, gamma=gamma, sink=4, window=8, budget=16,
+                                    chunk_size=4)
+    out = speculative(target, drafter, prompt, NEW, gamma)
+    assert torch.equal(out.tokens, ar)
+    level = out.stats.levels[-1]
+    assert 0 < level.accepted < level.drafted  # both outcomes happened: the test exercised rejections
+
+
+def test_feature_drafter_as_triforce_level_one_equals_autoregressive(pair):
+    target, head, prompt, ar = pair
+    level1 = FeatureDrafter.create(head, "streaming", 0, gamma=2 + 5, sink=4, window=8)
+    out = triforce(target, level1, prompt, NEW, gamma1=2, gamma2=5, budget=16, chunk_size=4)
+    assert torch.equal(out.tokens, ar)
+    assert out.stats.levels[0].drafted > 0
+
+
+def test_a_feature_drafter_reads_the_verifiers_features_instead_of_its_own(pair):
+    """After a verification the head's inputs up to the last accepted token are the target's true features:
+    the same drafts as a head fed the target's features for the whole committed sequence."""
+    target, head, prompt, _ = pair
+    drafter = FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=4)
+    out = speculative(target, drafter, prompt, NEW, 4)
+    committed = torch.cat((prompt, out.tokens), 1)[:, :drafter.known]
+    from sparsedraft.model import Capture
+    capture = Capture(layers=set(), hidden=True)
+    target(committed, capture=capture)
+    torch.testing.assert_close(drafter.feats[:drafter.known], capture.features[0], rtol=1e-4, atol=1e-4)
+
+
+def test_saved_drafter_decodes_through_decode_and_is_refused_by_another_target(pair, tmp_path):
+    target, head, prompt, ar = pair
+    folder = save_feature_head(head, tmp_path / "feature", target, {"recipe": "test"})
+    for cache in ("full", "budget"):
+        out = decode(target, prompt, "spec", NEW, draft=str(folder), draft_cache=cache, budget=16, chunk_size=4)
+        assert torch.equal(out.tokens, ar)
+    out = decode(target, prompt, "budgetdraft", NEW, draft=str(folder), budget=16, chunk_size=4)
+    assert torch.equal(out.tokens, ar)
+    out = decode(target, prompt, "triforce", NEW, draft=str(folder), budget=16, chunk_size=4, sink=4, window=8)
+    assert torch.equal(out.tokens, ar)
+    other = tiny_model("qwen3", seed=5)
+    with pytest.raises(SparsedraftError, match="trained for target"):
+        load_feature_head(folder, other)
+    with pytest.raises(SparsedraftError, match="trained for target"):
+        decode(other, prompt, "spec", NEW, draft=str(folder))
+
+
+def test_a_prefill_without_features_is_refused_before_decoding(pair):
+    import dataclasses
+    from sparsedraft.prefilled import prefill_prompt
+    target, head, prompt, ar = pair
+    shared = prefill_prompt(target, prompt)
+    drafter = FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=3)
+    assert torch.equal(speculative(target, drafter, prompt, NEW, 3, prefilled=shared).tokens, ar)
+    bare = dataclasses.replace(shared, features=None)
+    with pytest.raises(SparsedraftError, match="no prompt features"):
+        speculative(target, drafter, prompt, NEW, 3, prefilled=bare)
+
+
+# ---- sampling: the target's law, chi-square ---------------------------------------------------------------
+
+VOCAB = 8
+PROMPT = torch.tensor([[3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 1, 4]])
+SAMPLES = 3_000  # full runs of a real head (~10-20 ms each on a busy 2-core CPU)
+
+
+def sampling_pair():
+    shape = dict(vocab_size=VOCAB, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    target = tiny_model("qwen2", 0, **shape)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)  # random weights give near-uniform laws; sharpen them
+    return target, head_for(target, noise=0.5)
+
+
+def exact_law(target, sampling: SamplingConfig) -> tuple[dict, dict]:
+    from sparsedraft.generate import prefill
+    from sparsedraft.sampling import probabilities
+
+    def law(tokens):
+        return probabilities(prefill(target, target.new_cache(tokens.shape[1]), tokens)[0], sampling)
+    first, one, two = law(PROMPT), {}, {}
+    for a in range(VOCAB):
+        one[(a,)] = float(first[a])
+        second = law(torch.cat((PROMPT, torch.tensor([[a]])), 1))
+        for b in range(VOCAB):
+            two[(a, b)] = float(first[a] * second[b])
+    return one, two
+
+
+def pvalues(sampling: SamplingConfig, acceptance, samples: int = SAMPLES) -> tuple[float, float]:
+    from sparsedraft.prefilled import prefill_prompt
+    target, head = sampling_pair()
+    law_one, law_two = exact_law(target, sampling)
+    shared = prefill_prompt(target, PROMPT)
+    one, two = Counter(), Counter()
+    for seed in range(samples):
+        cfg = SamplingConfig(sampling.temperature, sampling.top_p, seed=seed)
+        drafter = FeatureDrafter.create(head, "full", PROMPT.shape[1] + 3, gamma=2)
+        out = speculative(target, drafter, PROMPT, 3, 2, cfg, acceptance=acceptance, prefilled=shared)
+        tokens = tuple(out.tokens[0, :2].tolist())
+        one[tokens[:1]] += 1
+        two[tokens] += 1
+    return chi_square_pvalue(one, law_one, samples), chi_square_pvalue(two, law_two, samples)
+
+
+@pytest.mark.parametrize("sampling", [
+    pytest.param(SamplingConfig(temperature=0.6, top_p=0.9), id="t0.6-p0.9"),
+    pytest.param(SamplingConfig(temperature=1.0), id="t1.0", marks=pytest.mark.slow)])
+def test_sampling_with_a_feature_drafter_keeps_the_target_law(sampling):
+    first, pair_p = pvalues(sampling, standard_acceptance)
+    assert first > 0.01 and pair_p > 0.01, (first, pair_p)
+
+
+def test_the_same_check_catches_an_always_accept_rule():
+    first, pair_p = pvalues(SamplingConfig(temperature=1.0), always_accept, samples=2_000)
+    assert min(first, pair_p) < 0.01, (first, pair_p)
