@@ -8,7 +8,8 @@ HEAD`` plus whether the tree had uncommitted changes, the UTC date, the CPU's
 best vector path (:func:`isa_path`: the C++ kernels are built with
 ``-march=native``, so AVX2 and AVX-512 machines run different code) and the
 read bandwidth measured in the bench's own process, the floor every speed is
-judged against.
+judged against, and the load average, since other jobs on the same cores slow
+every figure.
 
 ``python -m sparsedraft results`` (:func:`refresh_readme`) rebuilds the
 README's results table from every record under ``docs/results/``, between the
@@ -78,7 +79,9 @@ def machine(read_gb_s: float | None = None) -> dict[str, Any]:
         read_gb_s = measure_read_bandwidth("cpu") / 1e9
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
                platform.processor())
-    return {"isa": isa_path(), "cpu": cpu, "cores": os.cpu_count(), "read_gb_s": round(read_gb_s, 2)}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other jobs on the cores slow every figure
+    return {"isa": isa_path(), "cpu": cpu, "cores": os.cpu_count(), "read_gb_s": round(read_gb_s, 2),
+            "load_1min": load}
 
 
 def _cpuinfo_lines() -> list[str]:
@@ -125,6 +128,7 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
     result, m = record["result"], record["machine"]
     c = result["config"]
     base = result["rows"][0]
+    load = f", load {m['load_1min']:.1f}" if m.get("load_1min") is not None else ""
     out = []
     for row in result["rows"][1:]:
         match = {True: "yes", False: "**no**", None: "-"}[row.get("tokens_match")]
@@ -134,13 +138,13 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
                     f"{result['prompt_len']:,}", f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
                     f"{row['ms_per_token']:.1f}", f"**{row['speedup']:.2f}x**", _acceptance(row), match,
                     f"{record['date'][:10]}, {record['commit'][:7]}{'+' if record['dirty'] else ''}",
-                    f"{m['isa']}, {m['read_gb_s']:.1f} GB/s", f"[{name}](docs/results/{name})"])
+                    f"{m['isa']}, {m['read_gb_s']:.1f} GB/s{load}", f"[{name}](docs/results/{name})"])
     return out
 
 
 RENDERERS: dict[str, Callable[[str, dict[str, Any]], list[list[str]]]] = {"compare": _compare_rows}
 HEADER = ["method (options)", "model", "context", "tokens", "AR ms/tok", "method ms/tok", "speedup",
-          "acceptance (per level)", "tokens = AR", "date, commit", "machine: ISA, read", "record"]
+          "acceptance (per level)", "tokens = AR", "date, commit", "machine: ISA, read, load", "record"]
 
 
 def render_table(records: list[tuple[str, dict[str, Any]]]) -> str:
