@@ -109,6 +109,17 @@ def test_draft_step_costs_time_each_head_against_the_verifier_in_one_set_of_roun
         draft_step_costs(model, drafter, prompt, 64, [model.cfg.vocab_size], model_tokenizer("tiny-qwen2"))
 
 
+def test_draft_step_costs_time_a_feature_head_and_its_restricted_views(model):
+    from sparsedraft.bench.draft_cost import draft_step_costs
+    from sparsedraft.speculative.feature import FeatureHead
+    head = FeatureHead(model.cfg).init_from(model).attach(model).eval()
+    prompt = torch.tensor([list(TEXT.encode())])
+    rows = draft_step_costs(model, head, prompt, 64, [0, 16], model_tokenizer("tiny-qwen2"), repeats=3)
+    assert [r.draft_vocab for r in rows] == [model.cfg.vocab_size, 16]
+    assert all(r.draft_ms > 0 and r.ratio == pytest.approx(r.draft_ms / r.verifier_ms) for r in rows)
+    assert head._head is model.lm_head  # the restricted row used a view, the head itself is unchanged
+
+
 def test_needed_acceptance_inverts_the_two_level_cost_model():
     from sparsedraft.analysis.costmodel import expected_tokens_per_verify, needed_acceptance
     alpha = needed_acceptance(1.5, 4, 0.06, 1.4)

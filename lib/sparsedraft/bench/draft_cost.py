@@ -11,11 +11,14 @@ drafter filled from a real prompt of ``context`` tokens -- once per head
 (the full one and each :func:`~sparsedraft.speculative.vocab.restrict_head`
 size), and beside them a (gamma + 1)-token verification over the full cache,
 the other term of a round's cost. Every forward is rolled back, so each sees
-the same cache.
+the same cache. A feature drafter (:class:`~sparsedraft.speculative.feature.FeatureHead`)
+is timed the same way: its one layer over a BudgetCache of its own entries
+(random features: the work does not depend on them either) plus the head.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,7 +29,8 @@ from ..caches.budget import BudgetCache
 from ..errors import require
 from ..model import Transformer
 from ..generate import synchronize
-from ..speculative.vocab import coverage, frequent_tokens, restrict_head
+from ..speculative.feature import Entries, FeatureHead
+from ..speculative.vocab import SubsetHead, coverage, frequent_tokens, restrict_head
 from .ar import random_cache
 
 
@@ -52,7 +56,7 @@ def _step_ms(model: Transformer, cache, tokens: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def draft_step_costs(verifier: Transformer, drafter: Transformer, prompt: torch.Tensor, budget: int,
+def draft_step_costs(verifier: Transformer, drafter: Transformer | FeatureHead, prompt: torch.Tensor, budget: int,
                      draft_vocabs: list[int], tokenizer, repeats: int = 30, chunk_size: int = 8,
                      scoring: str = "attention", verify_tokens: int = 5) -> list[DraftCostRow]:
     """One row per entry of ``draft_vocabs`` (0: the full head), timed at ``prompt``'s length [1, T], with a
@@ -69,8 +73,14 @@ def draft_step_costs(verifier: Transformer, drafter: Transformer, prompt: torch.
     full = random_cache(verifier, context, verify_tokens)
     cache = BudgetCache(drafter.cfg, budget, context + 1, chunk_size, scoring=scoring, dtype=drafter.dtype,
                         device=drafter.device)
-    budget_prefill(drafter, cache, prompt.to(drafter.device))
-    heads = {n: restrict_head(drafter, frequent_tokens(tokenizer, n, vocab)) if n else drafter for n in draft_vocabs}
+    kept = {n: frequent_tokens(tokenizer, n, vocab) if n else torch.arange(vocab) for n in draft_vocabs}
+    if isinstance(drafter, FeatureHead):  # entry t = (f_t, x_{t+1}): the prompt's tokens from the second on
+        feats = torch.randn(1, context + 1, drafter.cfg.hidden_size, dtype=drafter.dtype, device=drafter.device)
+        budget_prefill(Entries(drafter, feats), cache, prompt[:, 1:].to(drafter.device))
+        heads = {n: Entries(_feature_head(drafter, verifier, ids) if n else drafter, feats) for n, ids in kept.items()}
+    else:
+        budget_prefill(drafter, cache, prompt.to(drafter.device))
+        heads = {n: restrict_head(drafter, ids) if n else drafter for n, ids in kept.items()}
     token = prompt[:, -1:].to(verifier.device)
     block = prompt[:, -verify_tokens:].to(verifier.device)
     times: dict[object, list[float]] = {"verifier": [], "verify": [], **{n: [] for n in heads}}
@@ -85,9 +95,14 @@ def draft_step_costs(verifier: Transformer, drafter: Transformer, prompt: torch.
     verifier_ms = statistics.median(times["verifier"])
     verify_ratio = statistics.median(times["verify"]) / verifier_ms
     rows = []
-    for n, head in heads.items():
-        ids = head.lm_head.ids if n else torch.arange(vocab)
+    for n, ids in kept.items():
         draft_ms = statistics.median(times[n])
         rows.append(DraftCostRow(n or vocab, coverage(tokenizer, ids) if n else 1.0, draft_ms, verifier_ms,
                                  draft_ms / verifier_ms, verify_tokens, verify_ratio))
     return rows
+
+
+def _feature_head(head: FeatureHead, target: Transformer, ids: torch.Tensor) -> FeatureHead:
+    """A view of ``head`` (same weights) whose logits come from the target's head restricted to ``ids``."""
+    view = copy.copy(head)
+    return view.attach(target, SubsetHead(target.lm_head.weight, ids, target.cfg.vocab_size))

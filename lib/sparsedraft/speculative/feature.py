@@ -124,7 +124,7 @@ class Entries:
     tokens in, features looked up by position in ``features`` [B, T, hidden], logits out."""
 
     def __init__(self, head: FeatureHead, features: torch.Tensor):
-        self.head, self.features, self.cfg = head, features, head.cfg
+        self.head, self.features, self.cfg, self.device = head, features, head.cfg, head.device
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None, *,
                  last_only: bool = False, capture: Capture | None = None) -> torch.Tensor:
