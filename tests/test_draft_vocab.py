@@ -128,3 +128,13 @@ def test_needed_acceptance_inverts_the_two_level_cost_model():
     assert needed_acceptance(1.5, 4, 0.06, 1.6) > alpha  # a dearer verification needs more acceptance
     assert needed_acceptance(1.0, 4, 0.0, 1.0) == pytest.approx(0.0, abs=1e-9)  # free drafts: break even at 0
     assert needed_acceptance(6.0, 4, 0.0, 1.0) != needed_acceptance(6.0, 4, 0.0, 1.0)  # NaN: 5 tokens at most
+
+
+def test_a_feature_head_with_a_restricted_vocabulary_stays_lossless_and_unchanged(model):
+    from sparsedraft.speculative.feature import FeatureHead
+    head = FeatureHead(model.cfg).init_from(model).attach(model).eval().requires_grad_(False)
+    ar = decode(model, TEXT, "ar", 12).tokens
+    for method, options in (("spec", {}), ("budgetdraft", {"budget": 16, "chunk_size": 4})):
+        out = decode(model, TEXT, method, 12, draft=head, draft_vocab=16, **options)
+        assert torch.equal(out.tokens, ar)
+    assert head._head is model.lm_head  # the restricted head was a view

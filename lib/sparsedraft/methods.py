@@ -36,7 +36,7 @@ from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retri
                           truncated_draft)
 from .speculative.feature import FeatureHead, is_feature_drafter, load_feature_head, read_record
 from .speculative.feature_drafter import FeatureDrafter
-from .speculative.vocab import SubsetHead, frequent_tokens_of, restrict_head
+from .speculative.vocab import frequent_tokens_of, restrict_head
 
 DRAFT_CACHES = ("full", "streaming", "budget")
 SELF = "self"  # the target drafts for itself over a sparse cache of its own (prefilled through it)
@@ -298,7 +298,7 @@ def load_draft(draft: str | Transformer | Drafter | FeatureHead, target: Transfo
                                 "where it was loaded from; load it with sparsedraft.load_model")
     ids = frequent_tokens_of(source, draft_vocab, target.cfg.vocab_size)
     if isinstance(model, FeatureHead):
-        return model.attach(target, SubsetHead(target.lm_head.weight, ids, target.cfg.vocab_size))
+        return model.restricted(ids)
     return restrict_head(model, ids)
 
 

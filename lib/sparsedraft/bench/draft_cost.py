@@ -18,7 +18,6 @@ is timed the same way: its one layer over a BudgetCache of its own entries
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from ..errors import require
 from ..model import Transformer
 from ..generate import synchronize
 from ..speculative.feature import Entries, FeatureHead
-from ..speculative.vocab import SubsetHead, coverage, frequent_tokens, restrict_head
+from ..speculative.vocab import coverage, frequent_tokens, restrict_head
 from .ar import random_cache
 
 
@@ -77,7 +76,7 @@ def draft_step_costs(verifier: Transformer, drafter: Transformer | FeatureHead, 
     if isinstance(drafter, FeatureHead):  # entry t = (f_t, x_{t+1}): the prompt's tokens from the second on
         feats = torch.randn(1, context + 1, drafter.cfg.hidden_size, dtype=drafter.dtype, device=drafter.device)
         budget_prefill(Entries(drafter, feats), cache, prompt[:, 1:].to(drafter.device))
-        heads = {n: Entries(_feature_head(drafter, verifier, ids) if n else drafter, feats) for n, ids in kept.items()}
+        heads = {n: Entries(drafter.restricted(ids) if n else drafter, feats) for n, ids in kept.items()}
     else:
         budget_prefill(drafter, cache, prompt.to(drafter.device))
         heads = {n: restrict_head(drafter, ids) if n else drafter for n, ids in kept.items()}
@@ -100,9 +99,3 @@ def draft_step_costs(verifier: Transformer, drafter: Transformer | FeatureHead, 
         rows.append(DraftCostRow(n or vocab, coverage(tokenizer, ids) if n else 1.0, draft_ms, verifier_ms,
                                  draft_ms / verifier_ms, verify_tokens, verify_ratio))
     return rows
-
-
-def _feature_head(head: FeatureHead, target: Transformer, ids: torch.Tensor) -> FeatureHead:
-    """A view of ``head`` (same weights) whose logits come from the target's head restricted to ``ids``."""
-    view = copy.copy(head)
-    return view.attach(target, SubsetHead(target.lm_head.weight, ids, target.cfg.vocab_size))

@@ -26,6 +26,7 @@ BudgetDraft's budgeted cache. Position ``t`` of that cache holds the entry
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -39,6 +40,7 @@ from ..cache import KVCache, SequenceView
 from ..config import ModelConfig
 from ..errors import SparsedraftError, require
 from ..model import Block, Capture, Transformer, project, run_layers
+from .vocab import SubsetHead
 
 WEIGHTS = "feature_drafter.safetensors"
 RECORD = "feature_drafter.json"
@@ -76,6 +78,13 @@ class FeatureHead(nn.Module):
         # object.__setattr__: assigned normally, a module would join this one's parameters and state_dict
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "_head", head)
+
+    def restricted(self, ids: torch.Tensor) -> "FeatureHead":
+        """A view of this head (same weights, same target) whose logits score only ``ids`` (a
+        :class:`~sparsedraft.speculative.vocab.SubsetHead` over the target's head); this head is unchanged."""
+        target = self.target
+        view = copy.copy(self)
+        return view.attach(target, SubsetHead(target.lm_head.weight, ids, target.cfg.vocab_size))
 
     @property
     def target(self) -> Transformer:
