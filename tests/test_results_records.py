@@ -35,11 +35,11 @@ def test_write_record_names_command_commit_date_and_machine(tmp_path):
 def test_render_table_gives_one_line_per_method_row(tmp_path):
     record = _record(tmp_path)
     record.update(commit="0123456789abcdef", dirty=False, date="2026-12-03T21:00:00Z")
-    record["machine"].update(isa="AVX2", load_1min=2.0)
+    record["machine"].update(isa="AVX2", torch_threads=1, load_1min=2.0)
     lines = render_table([("tri.json", record)]).splitlines()
     assert len(lines) == 3  # header, rule, the triforce row (the baseline is a column, not a row)
     assert lines[2] == ("| triforce (budget 512) | smollm2-135m | 4,000 | 64 greedy | 50.0 | 40.0 | **1.25x** "
-                        "| 0.50 / 0.75 | yes | 2026-12-03, 0123456 | AVX2, 20.0 GB/s, load 2.0 | "
+                        "| 0.50 / 0.75 | yes | 2026-12-03, 0123456 | AVX2, 1 thread, 20.0 GB/s, load 2.0 | "
                         "[tri.json](docs/results/tri.json) |")
 
 

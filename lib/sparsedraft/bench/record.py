@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from ..errors import SparsedraftError, require
 from ..roofline import measure_read_bandwidth
 
@@ -80,8 +82,8 @@ def machine(read_gb_s: float | None = None) -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
                platform.processor())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other jobs on the cores slow every figure
-    return {"isa": isa_path(), "cpu": cpu, "cores": os.cpu_count(), "read_gb_s": round(read_gb_s, 2),
-            "load_1min": load}
+    return {"isa": isa_path(), "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "read_gb_s": round(read_gb_s, 2), "load_1min": None if load is None else round(load, 2)}
 
 
 def _cpuinfo_lines() -> list[str]:
@@ -92,12 +94,15 @@ def _cpuinfo_lines() -> list[str]:
 
 
 def write_record(path: str | Path, result: dict[str, Any], read_gb_s: float | None = None,
-                 command: str | None = None) -> Path:
-    """Write ``result`` (a bench's ``to_dict()``) with its provenance to ``path`` as indented JSON."""
+                 command: str | None = None, started: dict[str, Any] | None = None) -> Path:
+    """Write ``result`` (a bench's ``to_dict()``) with its provenance to ``path`` as indented JSON.
+
+    ``started`` is :func:`provenance` taken before the run: the code that ran is the commit checked out when it
+    started, not when it ended (a long bench outlives commits); taken now when not given."""
     path = Path(path)
     require(path.suffix == ".json", f"a record is a .json file, got {str(path)!r}")
     command = command or "python -m sparsedraft " + shlex.join(sys.argv[1:])
-    record = {"command": command, **provenance(), "machine": machine(read_gb_s), "result": result}
+    record = {"command": command, **(started or provenance()), "machine": machine(read_gb_s), "result": result}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
@@ -128,6 +133,8 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
     result, m = record["result"], record["machine"]
     c = result["config"]
     base = result["rows"][0]
+    threads = m.get("torch_threads")
+    threads = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
     load = f", load {m['load_1min']:.1f}" if m.get("load_1min") is not None else ""
     out = []
     for row in result["rows"][1:]:
@@ -138,13 +145,13 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
                     f"{result['prompt_len']:,}", f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
                     f"{row['ms_per_token']:.1f}", f"**{row['speedup']:.2f}x**", _acceptance(row), match,
                     f"{record['date'][:10]}, {record['commit'][:7]}{'+' if record['dirty'] else ''}",
-                    f"{m['isa']}, {m['read_gb_s']:.1f} GB/s{load}", f"[{name}](docs/results/{name})"])
+                    f"{m['isa']}{threads}, {m['read_gb_s']:.1f} GB/s{load}", f"[{name}](docs/results/{name})"])
     return out
 
 
 RENDERERS: dict[str, Callable[[str, dict[str, Any]], list[list[str]]]] = {"compare": _compare_rows}
 HEADER = ["method (options)", "model", "context", "tokens", "AR ms/tok", "method ms/tok", "speedup",
-          "acceptance (per level)", "tokens = AR", "date, commit", "machine: ISA, read, load", "record"]
+          "acceptance (per level)", "tokens = AR", "date, commit", "machine: ISA, torch threads, read, load", "record"]
 
 
 def render_table(records: list[tuple[str, dict[str, Any]]]) -> str:
