@@ -22,11 +22,12 @@ from sparsedraft.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = dict(model="tiny-llama", device="cpu", context=48, new_tokens=4, warmup=0, repeats=1, read_mib=1)
+TINY = dict(model="tiny-llama", device="cpu", context=48, new_tokens=4, warmup=0, repeats=1, read_mib=1, peak_s=0.01)
 SHARED = ["--model", "tiny-llama", "--device", "cpu", "--warmup", "0", "--repeats", "1"]
 
 
-@pytest.mark.parametrize("bad, match", [(dict(new_tokens=1), "new_tokens"), (dict(dtypes=("int8",)), "dtypes"), (dict(dtypes=()), "dtypes"),
+@pytest.mark.parametrize("bad, match", [(dict(new_tokens=1), "new_tokens"), (dict(dtypes=("int8",)), "dtypes"), (dict(dtypes=("fp32", "fp32")), "dtypes"),
+                                        (dict(peak_s=0), "peak_s"),
                                         (dict(verify_contexts=(3,)), "verify_contexts"),
                                         (dict(context=0), "context"), (dict(repeats=0), "repeats"),
                                         (dict(split="dev"), "split")])
@@ -65,6 +66,25 @@ def test_ar_bench_returns_consistent_rows():
             assert v.decode1_ms > 0 and v.verify_ms > 0 and v.cost_ratio == pytest.approx(v.verify_ms / v.decode1_ms)
     assert "transformers" in result.to_dict()["versions"]
     assert "verify-7 / decode-1 at context 96 (random)" in result.table()
+
+
+def test_ar_bench_json_leads_with_the_path_bandwidth_and_peaks_and_times_each_step_beside_its_roofline():
+    result = run_ar_bench(ArBenchConfig(**TINY, hf=False, dtypes=("fp32",), verify_contexts=(96,)))
+    data = json.loads(json.dumps(result.to_dict()))
+    assert list(data)[:4] == ["bench", "isa", "read_gb_s", "peak_gflops"]
+    assert {"cpu", "kernels", "torch", "bf16_native"} <= set(data["isa"]) and data["peak_gflops"]["fp32"] > 0
+    steps = data["runs"][0]["steps"]
+    assert [s["step"] for s in steps] == ["prefill", "decode", "decode-1", "verify-7", "decode-1", "verify-7"]
+    for s in steps:
+        assert s["ms"] > 0 and s["roofline_ms"] > 0 and s["over_roofline"] == pytest.approx(s["ms"] / s["roofline_ms"])
+    assert steps[1]["context"] == 48 + 4 // 2 and steps[-1]["context"] == 96 and steps[0]["tokens"] == 48
+    assert "roofline ms" in result.table() and "path: CPU" in result.table()
+
+
+def test_ar_bench_times_fp32_alone_by_default_where_bf16_has_no_hardware_support(monkeypatch):
+    monkeypatch.setattr("sparsedraft.machine.cpu_flags", lambda cpuinfo=None: {"avx2", "fma"})
+    result = run_ar_bench(ArBenchConfig(**TINY, hf=False))
+    assert [run.dtype for run in result.runs] == ["fp32"] and list(result.peak_gflops) == ["fp32"]
 
 
 def test_verify_over_random_caches_one_row_per_context(monkeypatch):

@@ -215,32 +215,56 @@ def measure_read_bandwidth(device: str | torch.device = "cpu", nbytes: int = GIB
 
 
 def measure_matmul_flops(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, n: int = 2048,
-                         repeats: int = 7) -> float:
+                         repeats: int = 7, seconds: float | None = None) -> float:
     """FLOP/s of an ``n`` x ``n`` by ``n`` x ``n`` matmul on ``device``: the compute peak the roofline uses.
 
+    The product is ``x @ W^T`` with ``W`` stored [out, in], the layout every
+    linear layer multiplies in: on a CPU without bf16 instructions torch runs
+    bf16 ``a @ b`` about 8x slower than ``a @ b.T`` (measured at n = 512 on
+    AVX2), so the layout is part of the peak.
+
     A verification of k tokens turns attention from a matrix-vector product
-    into a k-row matmul, so the rate that bounds it once it stops being
-    memory bound is what a dense matmul reaches here (not a datasheet peak).
-    One untimed product warms the kernels; the median of ``repeats`` timed
-    products, each between device synchronisations, is returned. The default
-    ``n`` (2 * 2048**3 = 17 GFLOP) takes about 0.1 s per product on a
-    2-core CPU, so a measurement costs about a second; use a larger ``n`` on a
-    GPU, where 17 GFLOP take well under a millisecond.
+    into a k-row matmul, and a prefill chunk is a GEMM, so the rate that bounds
+    them once they stop being memory bound is what a dense matmul reaches here
+    in their dtype (not a datasheet peak: a CPU without bf16 instructions
+    multiplies bf16 several times slower than fp32). One untimed product warms
+    the kernels; the median of ``repeats`` timed products, each between device
+    synchronisations, is returned. The default ``n`` (2 * 2048**3 = 17 GFLOP)
+    takes about 0.1 s per fp32 product on a 2-core CPU.
+
+    With ``seconds``, the size is found for the machine instead: ``n`` starts
+    at 256 and doubles (up to the ``n`` given) while one product takes under
+    a tenth of ``seconds``, then up to ``repeats`` products are timed,
+    stopping once ``seconds`` have passed (after three at least): about
+    ``seconds`` per call whether the dtype runs at 1 or 1000 GFLOP/s.
     """
     require(n >= 1 and repeats >= 1, f"n must be >= 1 and repeats >= 1, got n={n}, repeats={repeats}")
+    require(seconds is None or seconds > 0, f"seconds must be > 0 (or None for a fixed n), got {seconds}")
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, generator=generator, device=device).to(dtype)
-    b = torch.randn(n, n, generator=generator, device=device).to(dtype)
-    a @ b
-    seconds = []
-    for _ in range(repeats):
+
+    def operands(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.randn(size, size, generator=generator, device=device).to(dtype) for _ in range(2))
+
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
         synchronize(device)
         start = time.perf_counter()
-        a @ b
+        torch.nn.functional.linear(a, b)
         synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return 2 * n ** 3 / statistics.median(seconds)
+        return time.perf_counter() - start
+
+    size = n if seconds is None else min(n, 256)
+    a, b = operands(size)
+    first = timed(a, b)  # warms the kernels, and sizes the product when a time budget is given
+    while seconds is not None and size < n and first < seconds / 10:
+        size = min(n, 2 * size)
+        a, b = operands(size)
+        first = timed(a, b)
+    samples: list[float] = []
+    deadline = None if seconds is None else time.perf_counter() + seconds
+    while len(samples) < repeats and (deadline is None or len(samples) < 3 or time.perf_counter() < deadline):
+        samples.append(timed(a, b))
+    return 2 * size ** 3 / statistics.median(samples)
 
 
 def this_machine(measured_bandwidth_gb_s: float, name: str = "this machine",
@@ -373,6 +397,23 @@ def step_cost(cfg: ModelConfig, context: int, tokens: int, dtype_bytes: int) -> 
     require(tokens >= 1, f"tokens must be >= 1 query tokens per step, got {tokens}")
     return StepCost(tokens, context, weight_bytes(cfg, dtype_bytes), tokens * weight_flops(cfg),
                     kv_bytes(cfg, context, dtype_bytes), tokens * attention_flops(cfg, context))
+
+
+def chunk_cost(cfg: ModelConfig, start: int, stop: int, dtype_bytes: int) -> StepCost:
+    """Cost of a prefill chunk, prompt tokens ``start`` .. ``stop - 1`` over the ``start`` cached before them.
+
+    Unlike a decode step its own keys are not few: query i sees ``start + i + 1``
+    keys (causal), so attention FLOPs count ``start * n + n (n + 1) / 2``
+    query-key pairs, and the chunk reads (and has just written) ``stop`` keys.
+    The output head scores the chunk's last token only (a prefill keeps just
+    the last logits).
+    """
+    require(0 <= start < stop, f"a chunk needs 0 <= start < stop, got start={start}, stop={stop}")
+    n = stop - start
+    pairs = start * n + n * (n + 1) // 2
+    head = 2 * cfg.vocab_size * cfg.hidden_size
+    return StepCost(n, start, weight_bytes(cfg, dtype_bytes), n * (weight_flops(cfg) - head) + head,
+                    kv_bytes(cfg, stop, dtype_bytes), pairs * attention_flops(cfg, 1))
 
 
 def verify_roofline_table(cfg: ModelConfig, contexts: Iterable[int], tokens: int, dtype_bytes: int,

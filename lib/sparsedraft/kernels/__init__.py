@@ -47,6 +47,7 @@ MAX_TOKENS = 32
 
 _module: ModuleType | None = None
 _failure: str | None = None
+_flags: list[str] | None = None  # the FLAG_SETS entry the module was built with
 _last_mask: tuple[weakref.ref, int, bool] | None = None
 
 
@@ -107,13 +108,13 @@ def _reason(exc: BaseException) -> str:
 
 def available() -> bool:
     """Whether :func:`attend` can run here; builds the extension the first time (about a minute)."""
-    global _module, _failure
+    global _module, _failure, _flags
     if not enabled():
         return False
     if _module is None and _failure is None:
         for flags in FLAG_SETS:
             try:
-                _module = _build(flags)
+                _module, _flags = _build(flags), flags
                 break
             except Exception as exc:  # noqa: BLE001 - any build failure means "use SDPA", reported once
                 _failure = _reason(exc)
@@ -123,6 +124,18 @@ def available() -> bool:
             warnings.warn(f"sparsedraft C++ attention kernel unavailable ({_failure}); using torch SDPA",
                           RuntimeWarning, stacklevel=2)
     return _module is not None
+
+
+def path() -> str:
+    """Which path the kernels run here, for a bench to print: the vector instruction set the build
+    targeted and how (``AVX2+FMA (-march=native)``), or why the torch path runs instead. Builds the
+    extension the first time, like :func:`available`."""
+    if not enabled():
+        return "off (SPARSEDRAFT_KERNELS=0): torch path"
+    if not available():
+        return f"unavailable ({_failure}): torch path"
+    how = "-march=native" if any(f.startswith("-march=") for f in _flags) else "portable flags"
+    return f"{_module.vector_path} ({how})"
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> None:

@@ -7,8 +7,27 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor&
 int64_t attend_chunk();
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 
+// The widest vector instruction set the compiler was allowed to use for these files (what -march
+// turned on), so a bench can say which path ran rather than which one the CPU offers.
+const char* vector_path() {
+#if defined(__AVX512BF16__)
+  return "AVX512-BF16";
+#elif defined(__AVX512F__)
+  return "AVX-512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "AVX2+FMA";
+#elif defined(__AVX2__)
+  return "AVX2";
+#elif defined(__ARM_NEON)
+  return "NEON";
+#else
+  return "portable";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "GQA decode/verification attention over a KV cache (see decode_attention.cpp)");
   m.attr("chunk") = attend_chunk();
+  m.attr("vector_path") = vector_path();
   m.def("linear", &few_rows_linear, "x W^T (+ b) for 1..16 rows, each weight read once (few_rows_linear.cpp)");
 }

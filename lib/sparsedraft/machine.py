@@ -1,0 +1,127 @@
+"""What this machine computes with, said at run time, so every figure names the path that made it.
+
+The same bench runs different code on different CPUs: the C++ kernels are
+built with ``-march=native`` (AVX2+FMA on one machine, AVX-512 on another),
+torch dispatches its own kernels by the CPU's capability, and bf16 has
+hardware dot products only from AVX512-BF16 on (AMX tiles beyond). Without
+them torch still computes in bf16, but slowly: on an AVX2-only 2-core
+machine a bf16 GEMM of a prefill chunk's shape ran at 4.5 GFLOP/s against
+34 for fp32, so a bf16 prefill takes several times an fp32 one. A speed
+figure is only comparable with its path beside it, and a bf16 run on such a
+CPU should be a choice, not a default.
+
+:func:`report` gathers the path: the best instruction set the CPU reports
+(:func:`best_isa` over ``/proc/cpuinfo`` flags), what the kernels were built
+for (:func:`sparsedraft.kernels.path`), torch's own
+``torch.backends.cpu.get_cpu_capability()``, whether bf16 is native, and the
+load average (other jobs on two cores slow a 2-thread step by whole scheduler
+quanta). :func:`peak_gflops` measures the compute peak per dtype, the other
+half of every roofline beside the read bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from .errors import require
+from .roofline import measure_matmul_flops
+from .runtime import DTYPES
+
+# (flags that must all be present, name), best last: the widest path the CPU offers.
+ISA_LADDER = (({"avx2"}, "AVX2"), ({"avx2", "fma"}, "AVX2+FMA"), ({"avx512f"}, "AVX-512"),
+              ({"avx512_bf16"}, "AVX512-BF16"), ({"amx_tile", "amx_bf16"}, "AMX"))
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")  # x86 flags, and aarch64's "bf16" feature
+PEAK_SECONDS = 1.0  # per dtype: long enough for a stable median, short beside any bench
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The flags (x86) or features (ARM) ``/proc/cpuinfo`` lists; empty where it cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            flags.update(line.split(":", 1)[1].split())
+    return flags
+
+
+def best_isa(flags: Iterable[str]) -> str:
+    """The best of AVX2 / AVX2+FMA / AVX-512 / AVX512-BF16 / AMX in ``flags``, else the machine's name."""
+    flags = set(flags)
+    best = [name for needed, name in ISA_LADDER if needed <= flags]
+    return best[-1] if best else platform.machine() or "unknown"
+
+
+def native_bf16(flags: Iterable[str]) -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16, AMX-BF16 or ARM's BF16 extension)."""
+    return any(flag in set(flags) for flag in NATIVE_BF16)
+
+
+@dataclass(frozen=True)
+class MachineReport:
+    """The path a bench ran on; ``str()`` is the line it prints, ``to_dict()`` its JSON ``isa``."""
+
+    cpu: str  # best instruction set the CPU reports (best_isa)
+    kernels: str  # what the C++ kernels were built for, or why the torch path runs (kernels.path)
+    torch: str  # torch.backends.cpu.get_cpu_capability(): the kernels torch dispatches to
+    bf16_native: bool  # False: bf16 matmuls run without hardware support (slow; see the module docstring)
+    threads: int  # torch's intra-op threads
+    cores: int | None
+    load_1min: float | None  # other jobs on these cores slow every figure
+
+    def __str__(self) -> str:
+        load = "" if self.load_1min is None else f", load {self.load_1min:.1f}"
+        bf16 = "native" if self.bf16_native else "no hardware support (slow)"
+        return (f"CPU {self.cpu}; kernels {self.kernels}; torch {self.torch}; bf16 {bf16}; "
+                f"{self.threads} threads on {self.cores} cores{load}")
+
+    @property
+    def busy(self) -> bool:
+        """More runnable work than cores: threads wait for each other at every parallel region."""
+        return self.load_1min is not None and self.cores is not None and self.load_1min > self.cores
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def report(device: torch.device | str = "cpu") -> MachineReport:
+    """The path of a run on ``device``; builds the C++ kernels if they are not built yet (CPU only)."""
+    from . import kernels
+    flags = cpu_flags()
+    on_cpu = torch.device(device).type == "cpu"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return MachineReport(best_isa(flags), kernels.path() if on_cpu else f"not used on {torch.device(device).type}",
+                         torch.backends.cpu.get_cpu_capability(), native_bf16(flags), torch.get_num_threads(),
+                         os.cpu_count(), load)
+
+
+def warn_slow(machine: MachineReport, dtypes: Iterable[torch.dtype], device: torch.device) -> None:
+    """One warning per cause that makes this run's figures slow for reasons outside the code timed."""
+    if device.type == "cpu" and torch.bfloat16 in set(dtypes) and not machine.bf16_native:
+        warnings.warn(f"bf16 on this CPU ({machine.cpu}, no bf16 instructions): torch's bf16 GEMMs (prefill, "
+                      "verification) run several times slower than fp32 here; time fp32, or read the bf16 "
+                      "figures as this machine's, not bf16's", RuntimeWarning, stacklevel=2)
+    if device.type == "cpu" and machine.busy and machine.threads > 1:
+        warnings.warn(f"load average {machine.load_1min:.1f} on {machine.cores} cores: with {machine.threads} "
+                      "threads each parallel region waits for a descheduled thread, which can multiply step "
+                      "times; set OMP_NUM_THREADS=1 or time on an idle machine", RuntimeWarning, stacklevel=2)
+
+
+def peak_gflops(dtypes: Iterable[str], device: torch.device | str = "cpu",
+                seconds: float = PEAK_SECONDS) -> dict[str, float]:
+    """GFLOP/s of a dense matmul per dtype name (``fp32``, ``bf16``, ...: :data:`~sparsedraft.runtime.DTYPES`),
+    each measured for about ``seconds`` (:func:`~sparsedraft.roofline.measure_matmul_flops`, sized to the
+    machine)."""
+    for name in dtypes:
+        require(name in DTYPES, f"dtype {name!r} is not one of {tuple(DTYPES)}")
+    return {name: measure_matmul_flops(device, DTYPES[name], seconds=seconds) / 1e9 for name in dict.fromkeys(dtypes)}

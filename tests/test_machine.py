@@ -1,0 +1,89 @@
+"""The run-time path report, the per-dtype matmul peak and every step's roofline, on sample flags and a
+tiny config counted by hand (never a wall-clock assertion)."""
+
+import warnings
+
+import pytest
+import torch
+
+from sparsedraft import machine
+from sparsedraft.bench.steps import step_row
+from sparsedraft.errors import SparsedraftError
+from sparsedraft.roofline import attention_flops, chunk_cost, kv_bytes, measure_matmul_flops, step_cost, weight_bytes
+from sparsedraft.tiny import tiny_model
+
+AVX2 = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma bmi2\nprocessor\t: 1\nflags\t\t: fpu avx avx2 fma\n"
+
+
+@pytest.mark.parametrize("flags, best, bf16", [
+    ("fpu sse avx avx2", "AVX2", False),
+    ("fpu sse avx avx2 fma", "AVX2+FMA", False),
+    ("avx2 fma avx512f avx512bw", "AVX-512", False),
+    ("avx2 fma avx512f avx512_bf16", "AVX512-BF16", True),
+    ("avx2 fma avx512f avx512_bf16 amx_tile amx_bf16 amx_int8", "AMX", True),
+])
+def test_best_isa_climbs_the_ladder_from_cpuinfo_flags(flags, best, bf16):
+    parsed = machine.cpu_flags(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert machine.best_isa(parsed) == best and machine.native_bf16(parsed) is bf16
+
+
+def test_cpu_flags_joins_every_processor_and_reads_arm_features():
+    assert machine.cpu_flags(AVX2) == {"fpu", "sse", "sse2", "avx", "avx2", "fma", "bmi2"}
+    arm = machine.cpu_flags("Features\t: fp asimd bf16 i8mm\n")
+    assert machine.native_bf16(arm) and machine.best_isa(set()) not in ("AVX2", "AMX")
+
+
+def test_report_names_cpu_kernel_and_torch_paths_and_warns_once_per_slow_cause(monkeypatch):
+    avx2 = machine.cpu_flags(AVX2)
+    monkeypatch.setattr(machine, "cpu_flags", lambda cpuinfo=None: avx2)
+    monkeypatch.setenv("SPARSEDRAFT_KERNELS", "0")
+    path = machine.report("cpu")
+    assert path.cpu == "AVX2+FMA" and not path.bf16_native and path.torch == torch.backends.cpu.get_cpu_capability()
+    assert path.kernels.startswith("off (SPARSEDRAFT_KERNELS=0)") and "torch path" in str(path)
+    assert machine.MachineReport(**path.to_dict()) == path
+    with pytest.warns(RuntimeWarning, match="no bf16 instructions"):
+        machine.warn_slow(path, [torch.bfloat16], torch.device("cpu"))
+    busy = machine.MachineReport(**{**path.to_dict(), "threads": 2, "cores": 2, "load_1min": 7.5})
+    with pytest.warns(RuntimeWarning, match="OMP_NUM_THREADS=1"):
+        machine.warn_slow(busy, [torch.float32], torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        machine.warn_slow(path, [torch.float32], torch.device("cpu"))
+
+
+def test_peak_gflops_per_dtype_name_and_refuses_unknown_ones():
+    peaks = machine.peak_gflops(["fp32", "bf16", "fp32"], "cpu", seconds=0.01)
+    assert list(peaks) == ["fp32", "bf16"] and all(v > 0 for v in peaks.values())
+    assert measure_matmul_flops("cpu", n=64, repeats=2, seconds=0.01) > 0
+    with pytest.raises(SparsedraftError, match="int4"):
+        machine.peak_gflops(["int4"])
+    with pytest.raises(SparsedraftError, match="seconds"):
+        measure_matmul_flops("cpu", n=64, seconds=0)
+
+
+def test_chunk_cost_counts_causal_pairs_and_one_head_row_by_hand():
+    cfg = tiny_model("llama").cfg
+    h, d, inner, v, layers = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    per_token = 2 * layers * (h * (2 * cfg.num_heads * d + 2 * cfg.num_kv_heads * d) + 3 * h * inner)
+    cost = chunk_cost(cfg, 10, 14, 4)  # tokens 10..13: they see 11, 12, 13, 14 keys
+    assert cost.tokens == 4 and cost.kv_bytes == kv_bytes(cfg, 14, 4) == 2 * layers * cfg.num_kv_heads * d * 14 * 4
+    assert cost.attention_flops == 4 * layers * cfg.num_heads * d * (11 + 12 + 13 + 14)
+    assert cost.weight_flops == 4 * per_token + 2 * v * h and cost.weight_bytes == weight_bytes(cfg, 4)
+    with pytest.raises(SparsedraftError, match="start < stop"):
+        chunk_cost(cfg, 5, 5, 4)
+
+
+def test_step_row_is_the_slower_side_of_each_part_added():
+    cfg = tiny_model("llama").cfg
+    cost = step_cost(cfg, 100, 3, 2)
+    bandwidth, peak = 1e9, 2.0  # bytes/s, GFLOP/s
+    memory_ms = 1000 * (cost.weight_bytes / bandwidth), 1000 * (cost.kv_bytes / bandwidth)
+    compute_ms = 1000 * (cost.weight_flops / 2e9), 1000 * (3 * attention_flops(cfg, 100) / 2e9)
+    expected = max(memory_ms[0], compute_ms[0]) + max(memory_ms[1], compute_ms[1])
+    row = step_row("verify-3", "bf16", 5.0, cost, bandwidth, peak)
+    assert row.roofline_ms == pytest.approx(expected) and row.over_roofline == pytest.approx(5.0 / expected)
+    assert (row.context, row.tokens, row.gb) == (100, 3, pytest.approx((cost.weight_bytes + cost.kv_bytes) / 1e9))
+    prefill = step_row("prefill", "fp32", 9.0, [chunk_cost(cfg, 0, 8, 4), chunk_cost(cfg, 8, 9, 4)], bandwidth, peak)
+    assert (prefill.context, prefill.tokens) == (9, 9)
+    with pytest.raises(SparsedraftError, match="ms > 0"):
+        step_row("decode", "fp32", 0.0, cost, bandwidth, peak)
