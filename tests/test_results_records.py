@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from sparsedraft.bench.record import BEGIN, END, isa_path, load_records, refresh_readme, render_table, write_record
+from sparsedraft.bench import CompareConfig
+from sparsedraft.bench.record import (BEGIN, END, isa_path, load_records, refresh_readme, render_table,
+                                      resolved_options, write_record)
 from sparsedraft.errors import SparsedraftError
 
 
@@ -68,3 +70,14 @@ def test_isa_path_takes_the_best_flag():
     assert isa_path("flags\t: sse avx avx2 fma\n") == "AVX2"
     assert isa_path("flags\t: avx2 avx512f avx512_bf16\n") == "AVX512-BF16"
     assert isa_path("flags\t: avx2 avx512f avx512_bf16 amx_tile amx_bf16\n") == "AMX"
+
+
+def test_the_table_shows_the_options_a_record_resolved():
+    result = _result()
+    result["resolved_options"] = resolved_options(CompareConfig(model="tiny-llama", methods=(("triforce", {"budget": 512}),)))
+    assert result["resolved_options"]["triforce"]["budget"] == 512 and "gamma1" in result["resolved_options"]["triforce"]
+    record = {"command": "c", "commit": "0" * 40, "dirty": False, "date": "2026-12-03T00:00:00Z",
+              "machine": {"isa": "AVX2", "read_gb_s": 20.0}, "result": result}
+    options = result["resolved_options"]["triforce"]
+    assert render_table([("r.json", record)]).splitlines()[2].startswith(
+        f"| triforce (draft {options['draft']}, budget 512, gamma1 {options['gamma1']}, gamma2 {options['gamma2']}) |")

@@ -26,7 +26,7 @@ from typing import Callable
 from .bench import BENCHES
 from .bench.gpu import HELP as GPU_CHECK_HELP
 from .bench.gpu import add_gpu_check_parser, run_gpu_check_command
-from .bench.record import RESULTS_DIR, provenance, refresh_readme, write_record
+from .bench.record import RESULTS_DIR, provenance, refresh_readme, resolved_options, write_record
 from .bench.tuned import SOURCE, TUNED, tuned_context, tuned_options
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
@@ -77,6 +77,8 @@ def run_bench(args: argparse.Namespace) -> None:
     if args.record:
         found = result.to_dict()
         read = found.get("read_gb_s", found.get("read_bandwidth_gbps"))
+        if bench.method is not None:
+            found["resolved_options"] = resolved_options(config)
         print(f"record written to {write_record(args.record, found, read, started=started)}", file=sys.stderr)
 
 

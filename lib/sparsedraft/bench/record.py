@@ -19,6 +19,7 @@ changes. A record missing a field is refused with its path and the field.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -32,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import SparsedraftError, require
+from ..methods import method_options
 from ..roofline import measure_read_bandwidth
 
 RESULTS_DIR = Path("docs/results")
@@ -104,8 +106,19 @@ def write_record(path: str | Path, result: dict[str, Any], read_gb_s: float | No
     command = command or "python -m sparsedraft " + shlex.join(sys.argv[1:])
     record = {"command": command, **(started or provenance()), "machine": machine(read_gb_s), "result": result}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     return path
+
+
+def resolved_options(config: Any) -> dict[str, dict[str, Any]]:
+    """Every option each of ``config.methods`` ran with, defaults included (row label -> options): the defaults
+    belong to the commit that ran, so the record keeps them rather than leave them to a later reader's code."""
+    labels = config.labels(config.methods)
+    out = {}
+    for label, (name, given) in zip(labels, config.methods):
+        options = method_options(name, **given)
+        out[label] = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    return out
 
 
 def check_record(record: dict[str, Any], where: str) -> dict[str, Any]:
@@ -129,8 +142,21 @@ def _acceptance(row: dict[str, Any]) -> str:
     return " / ".join(f"{v:.2f}" for v in row.get("acceptance", {}).values()) or "-"
 
 
+# Options a results table shows beside the method's name, when the method has them.
+SHOWN_OPTIONS = ("draft", "draft_cache", "budget", "gamma", "gamma1", "gamma2", "group_reduce")
+USUAL = {"group_reduce": "sum"}  # values not worth a word: retrieval's default chunk rule
+
+
+def _options(row: dict[str, Any], resolved: dict[str, dict[str, Any]]) -> str:
+    options = resolved.get(row["method"])
+    if options is None:  # a record from before options were resolved: the ones given
+        return ", ".join(f"{k} {v}" for k, v in row.get("options", {}).items())
+    return ", ".join(f"{k} {options[k]}" for k in SHOWN_OPTIONS if k in options and USUAL.get(k) != options[k])
+
+
 def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
     result, m = record["result"], record["machine"]
+    resolved = result.get("resolved_options", {})
     c = result["config"]
     base = result["rows"][0]
     threads = m.get("torch_threads")
@@ -140,7 +166,7 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
     for row in result["rows"][1:]:
         match = {True: "yes", False: "**no**", None: "-"}[row.get("tokens_match")]
         law = "greedy" if c["temperature"] == 0 else f"T {c['temperature']}, top-p {c['top_p']}"
-        options = ", ".join(f"{k} {v}" for k, v in row.get("options", {}).items())
+        options = _options(row, resolved)
         out.append([f"{row['method']} ({options})" if options else row["method"], c["model"],
                     f"{result['prompt_len']:,}", f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
                     f"{row['ms_per_token']:.1f}", f"**{row['speedup']:.2f}x**", _acceptance(row), match,
