@@ -36,4 +36,4 @@ def test_grid_rows_cover_every_cell_and_every_run_matches_ar():
 def test_a_budget_that_does_not_fit_is_refused_before_any_run():
     target = tiny_model("qwen3", seed=2)
     with pytest.raises(SparsedraftError, match="do not fit"):
-        decoded_acceptance_grid(target, {"slice": "truncated:1"}, {40: [torch.zeros(1, 40, dtype=torch.long)]}, [48])
+        decoded_acceptance_grid(target, {"slice": "truncated:1"}, {48: [torch.zeros(1, 40, dtype=torch.long)]}, [40])

@@ -38,17 +38,19 @@ def decoded_acceptance_grid(target: Transformer, drafters: Mapping[str, Any],
 
     ``drafters`` maps a row name to anything ``decode(..., draft=)`` takes (a feature drafter folder or
     :class:`~sparsedraft.speculative.feature.FeatureHead`, a BudgetDraft run folder, a model); ``prompts`` maps
-    a context to its prompts ([1, T] ids). ``full`` adds each drafter over its full cache (budget None).
+    a context (its label in the rows, e.g. prompt + generated tokens) to its prompts ([1, T] ids, one T per
+    context). ``full`` adds each drafter over its full cache (budget None).
     Columns: drafter, context, prompt, cache, budget, acceptance (accepted / drafted), mean_accepted (per
     round), tokens_per_round (accepted + the target's own token), rounds, tokens_match."""
     require(gamma >= 1 and new_tokens >= 1, f"need gamma >= 1 and new_tokens >= 1, got {gamma}, {new_tokens}")
     require(drafters and prompts, "give at least one drafter and one context with prompts")
     for context, group in prompts.items():
-        too_big = [b for b in budgets if b >= context - 1]
-        require(not too_big, f"budgets {too_big} do not fit below the {context}-token prompts' cached context; "
-                             "drop them or use longer prompts")
-        require(all(p.dim() == 2 and p.shape == (1, context) for p in group),
-                f"every prompt at context {context} must be [1, {context}] ids")
+        require(len(group) >= 1 and all(p.dim() == 2 and p.shape == group[0].shape and p.shape[0] == 1 for p in group),
+                f"the prompts at context {context} must be [1, T] ids of one length T")
+        cached = group[0].shape[1] - 1  # the prompt minus its pending last token
+        too_big = [b for b in budgets if b >= cached]
+        require(not too_big, f"budgets {too_big} do not fit below the {cached}-token cached context of the prompts at "
+                             f"context {context}; drop them or use longer prompts")
     caches: list[tuple[str, int | None]] = ([(FULL, None)] if full else []) + [("budget", b) for b in budgets]
     rows = []
     total = sum(len(group) for group in prompts.values()) * len(drafters) * len(caches)
