@@ -17,7 +17,7 @@ from sparsedraft.quant import Int8Linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = dict(model="tiny-llama", device="cpu", context=200, new_tokens=12, warmup=0, repeats=1)
+TINY = dict(model="tiny-llama", device="cpu", context=200, new_tokens=12, warmup=0, repeats=1, peak_s=0.01)
 METHODS = (("spec", {"draft": "truncated:1", "gamma": 3}), ("retrieval", {"budget": 64, "gamma": 3}),
            ("triforce", {"budget": 64, "gamma1": 2, "gamma2": 4}),
            ("budgetdraft", {"draft": "truncated:1", "budget": 64, "gamma": 3}))
@@ -63,6 +63,21 @@ def test_frame_records_and_json_hold_the_same_numbers(every_method):
     # every figure comes with the read bandwidth measured in the same process
     assert result.read_gb_s > 0 and record["read_gb_s"] == result.read_gb_s
     assert f"read bandwidth {result.read_gb_s:.1f} GB/s (1 GiB, this process)" in table
+
+
+def test_json_leads_with_the_path_and_each_row_times_its_steps_beside_their_rooflines(every_method):
+    record = json.loads(json.dumps(every_method.to_dict()))
+    assert list(record)[:4] == ["bench", "isa", "read_gb_s", "peak_gflops"] and record["peak_gflops"]["fp32"] > 0
+    steps = {row["method"]: [s["step"] for s in row["steps"]] for row in record["rows"]}
+    tri = every_method.row("triforce")
+    tokens = round(tri.drafted["level2"] / tri.verifications["level2"]) + 1
+    assert steps["ar"] == ["decode"] and steps["retrieval"][1] == "self draft"
+    assert steps["triforce"][1] == f"level2 verify-{tokens}" and len(steps["spec"]) == 1  # a draft model's bytes
+    for row in record["rows"]:                                                             # are not the target's
+        assert row["steps"][0]["context"] == 200 + 12 // 2
+        assert all(s["over_roofline"] == pytest.approx(s["ms"] / s["roofline_ms"]) for s in row["steps"])
+    assert [s["context"] for s in record["rows"][2]["steps"]] == [206, 64]
+    assert "ms / roofline" in every_method.table()
 
 
 def test_the_same_method_twice_is_labelled_by_its_options():

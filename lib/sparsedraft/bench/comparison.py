@@ -19,6 +19,12 @@ row's ``prefill_s`` is the shared prefill's seconds (:attr:`CompareResult.prefil
 the time it took to compute, also when read from disk) plus the row's own
 ``setup_s``, measured in each run: copying the prefill, selecting a retrieval
 cache, a draft model's own prefill. Per-level stats come from the median run.
+Each row also puts its steps beside their rooflines (:mod:`.steps`: the
+baseline's decode, the full target's verification, a draft step where a
+level is the target itself), judged by the read bandwidth and the matmul peak
+of ``dtype`` measured in this process after the runs; the JSON leads with
+the path that ran (``isa``, :mod:`sparsedraft.machine`), ``read_gb_s`` and
+``peak_gflops``.
 
 From Python::
 
@@ -37,7 +43,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import weights
+from .. import machine, weights
 from ..budgetdraft.checkpoint import check_drafter_for, has_checkpoint
 from ..batching import batch_bytes, check_memory
 from ..data import SPLITS, bench_prompt
@@ -49,9 +55,10 @@ from ..prefill_store import GiB, PrefillStore
 from ..prefilled import prefill_prompt
 from ..quant import quantize_int8
 from ..report import format_table
-from ..roofline import measure_read_bandwidth
+from ..roofline import measure_read_bandwidth, step_cost
 from ..runtime import DTYPES, device_name, peak_rss_gb, resolve_device
 from ..sampling import SamplingConfig
+from .steps import StepRow, method_steps, step_row, steps_table
 from .timing import interleaved_runs, median_run
 
 QUANTS = ("none", "int8")
@@ -107,6 +114,8 @@ class CompareConfig:
     batch: int = field(default=1, metadata={
         "help": "sequences decoded together (lockstep, one forward per step): the prompts are the corpus windows "
                 "variant .. variant + batch - 1; tok/s is over the batch"})
+    peak_s: float = field(default=machine.PEAK_SECONDS, metadata={
+        "help": "seconds spent measuring the dtype's matmul peak (the roofline's compute side)"})
     max_memory: str = field(default="", metadata={
         "help": "with --batch: refuse a batch whose caches and weights exceed this (e.g. 8GB); empty: the free "
                 "memory where the caches live (the GPU's on CUDA)"})
@@ -126,6 +135,7 @@ class CompareConfig:
                 f"variant and offset must be >= 0, got {self.variant} and {self.offset}")
         require(self.batch >= 1, f"batch must be >= 1 sequence, got {self.batch}")
         require(self.prefill_cache_gib > 0, f"prefill_cache_gib must be > 0, got {self.prefill_cache_gib}")
+        require(self.peak_s > 0, f"peak_s must be > 0 seconds, got {self.peak_s}")
         require(isinstance(self.methods, (tuple, list)),
                 f"methods must be a tuple of names or (name, options) pairs, got {type(self.methods).__name__}")
         entries = tuple(_entry(m) for m in self.methods)
@@ -173,6 +183,7 @@ class MethodRow:
     seconds: dict[str, float] = field(default_factory=dict)  # decode seconds per region (inclusive)
     decode_s: float = 0.0  # the median run's decode seconds (regions plus untimed bookkeeping)
     options: dict[str, Any] = field(default_factory=dict)  # the options given (JSON-ready)
+    steps: list[StepRow] = field(default_factory=list)  # timed steps beside their rooflines (batch 1)
 
 
 @dataclass
@@ -186,6 +197,8 @@ class CompareResult:
     peak_rss_gb: float = float("nan")  # the process's peak resident memory after the runs (prefills included)
     read_gb_s: float = float("nan")  # this machine's read bandwidth, a 1 GiB read measured in this process after
                                      # the runs (and after peak_rss_gb): the floor the figures are judged against
+    isa: dict[str, Any] = field(default_factory=dict)  # the path that ran (sparsedraft.machine.MachineReport)
+    peak_gflops: dict[str, float] = field(default_factory=dict)  # config.dtype -> matmul peak measured here
 
     def row(self, method: str) -> MethodRow:
         """The row named ``method`` (see :attr:`MethodRow.method`)."""
@@ -203,10 +216,10 @@ class CompareResult:
         return pd.DataFrame(self.records())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bench": "compare", "config": self.config.to_dict(), "device": self.device,
-                "prompt_len": self.prompt_len, "prefill_s": self.prefill_s,
-                "prefill_loaded_from": self.prefill_loaded_from, "peak_rss_gb": self.peak_rss_gb,
-                "read_gb_s": self.read_gb_s, "rows": self.records()}
+        return {"bench": "compare", "isa": self.isa, "read_gb_s": self.read_gb_s, "peak_gflops": self.peak_gflops,
+                "config": self.config.to_dict(), "device": self.device, "prompt_len": self.prompt_len,
+                "prefill_s": self.prefill_s, "prefill_loaded_from": self.prefill_loaded_from,
+                "peak_rss_gb": self.peak_rss_gb, "rows": self.records()}
 
     def table(self) -> str:
         c = self.config
@@ -231,6 +244,12 @@ class CompareResult:
             if r.decode_s > 0:
                 lines.append(f"{r.method} decode time: " + ", ".join(
                     f"{k} {100 * v / r.decode_s:.0f}%" for k, v in sorted(r.seconds.items())))
+        if self.isa:
+            peaks = ", ".join(f"{k} {v:.1f}" for k, v in self.peak_gflops.items())
+            lines.append(f"path: {machine.MachineReport(**self.isa)}; matmul peak GFLOP/s {peaks}")
+        steps = [dataclasses.replace(s, step=f"{r.method}: {s.step}") for r in self.rows for s in r.steps]
+        if steps:
+            lines.append(steps_table(steps))
         return "\n".join(lines)
 
 
@@ -332,6 +351,23 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     rows = [_row(label, runs[label], runs[BASELINE], config.sampling.greedy, given[label]) for label in runners]
     loaded = sorted({p.loaded_from for p in prefills if p.loaded_from is not None})  # the files read; none computed
     rss = peak_rss_gb()  # before the bandwidth read's 1 GiB buffer
+    path = machine.report(device)
+    read_bw, peaks = measure_read_bandwidth(device), machine.peak_gflops([config.dtype], device, config.peak_s)
+    if config.batch == 1 and config.quant == "none":  # int8 weights: roofline.py counts bytes at the dtype's width
+        rows = [dataclasses.replace(row, steps=_steps(target, config, row, opts, read_bw, peaks[config.dtype]))
+                for row, opts in zip(rows, [None, *options])]
     return CompareResult(config, device_name(device), prompts[0].shape[1], rows, sum(p.seconds for p in prefills),
-                         ", ".join(loaded) or None, rss, measure_read_bandwidth(device) / 1e9)
+                         ", ".join(loaded) or None, rss, read_bw / 1e9, path.to_dict(), peaks)
+
+
+def _steps(target: Transformer, config: CompareConfig, row: MethodRow, opts: Any, read_bw: float,
+           peak: float) -> list[StepRow]:
+    """The baseline's decode step, or a method's steps (:func:`~.steps.method_steps`), at the mean decode
+    context."""
+    context = config.context + config.new_tokens // 2
+    if opts is None:
+        cost = step_cost(target.cfg, context, 1, DTYPES[config.dtype].itemsize)
+        return [step_row("decode", config.dtype, row.ms_per_token, cost, read_bw, peak)]
+    method = row.method.split("(")[0]
+    return method_steps(target.cfg, config.dtype, method, opts, context, row, read_bw, peak)
 

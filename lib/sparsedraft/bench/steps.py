@@ -14,11 +14,14 @@ points at a kernel, a layout or a busy machine rather than at the method.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
+from ..config import ModelConfig
 from ..errors import require
 from ..report import format_table
-from ..roofline import StepCost
+from ..roofline import StepCost, step_cost
+from ..runtime import DTYPES
+from ..speculative.stats import DRAFT, RETRIEVAL_LEVEL, TARGET, VERIFY, region
 
 
 @dataclass(frozen=True)
@@ -56,3 +59,44 @@ def steps_table(rows: Sequence[StepRow]) -> str:
     cells = [[r.step, r.dtype, f"{r.context}", f"{r.tokens}", f"{r.ms:.2f}", f"{r.roofline_ms:.2f}",
               f"{r.over_roofline:.2f}x", r.bound] for r in rows]
     return format_table(["step", "dtype", "context", "tokens", "ms", "roofline ms", "ms / roofline", "bound"], cells)
+
+
+def _self_draft_cache(method: str, opts: Any) -> int | None:
+    """Tokens of the cache the target drafts over when a draft level is the target itself, else None (a
+    separate draft model or prompt lookup: its bytes are not the target's)."""
+    if method in ("retrieval", "triforce"):
+        return opts.budget
+    if method == "spec" and getattr(opts, "draft", None) == "self":
+        return opts.budget if opts.draft_cache == "budget" else opts.sink + opts.window
+    return None
+
+
+def method_steps(model_cfg: ModelConfig, dtype: str, method: str, opts: Any, context: int, row: Any,
+                 read_bytes_per_s: float, peak_gflops: float) -> list[StepRow]:
+    """A speculative run's steps from its median run's timed regions (:mod:`sparsedraft.speculative.stats`):
+    the full target's verification (mean drafts per round + 1 tokens at the mean decode ``context``), the
+    target's draft step over its own sparse cache where a level is the target itself, and TriForce's
+    level-2 verification of level 1's drafts over the retrieval cache. Steps whose bytes are not the
+    target's (a separate draft model, prompt lookup) are left out rather than guessed."""
+    size = DTYPES[dtype].itemsize
+    seconds, rounds, drafted = row.seconds, row.verifications, row.drafted
+    rows = []
+    if rounds.get(TARGET) and seconds.get(VERIFY):
+        tokens = round(drafted[TARGET] / rounds[TARGET]) + 1
+        rows.append(step_row(f"verify-{tokens}", dtype, 1000 * seconds[VERIFY] / rounds[TARGET],
+                             step_cost(model_cfg, context, tokens, size), read_bytes_per_s, peak_gflops))
+    sparse = _self_draft_cache(method, opts)
+    if sparse is None:
+        return rows
+    sparse = min(sparse, context)
+    if method == "triforce":
+        level2 = rounds.get(RETRIEVAL_LEVEL)
+        if level2 and seconds.get(region(RETRIEVAL_LEVEL, VERIFY)):
+            tokens = round(drafted[RETRIEVAL_LEVEL] / level2) + 1
+            rows.append(step_row(f"level2 verify-{tokens}", dtype,
+                                 1000 * seconds[region(RETRIEVAL_LEVEL, VERIFY)] / level2,
+                                 step_cost(model_cfg, sparse, tokens, size), read_bytes_per_s, peak_gflops))
+    elif drafted.get(TARGET) and seconds.get(DRAFT):
+        rows.append(step_row("self draft", dtype, 1000 * seconds[DRAFT] / drafted[TARGET],
+                             step_cost(model_cfg, sparse, 1, size), read_bytes_per_s, peak_gflops))
+    return rows
