@@ -5,7 +5,7 @@ import json
 import pytest
 
 from sparsedraft.bench import CompareConfig
-from sparsedraft.bench.record import (BEGIN, END, isa_path, load_records, refresh_readme, render_table,
+from sparsedraft.bench.record import (BEGIN, END, load_records, refresh_readme, render_table,
                                       resolved_options, write_record)
 from sparsedraft.errors import SparsedraftError
 
@@ -64,12 +64,6 @@ def test_refresh_readme_replaces_only_between_the_markers(tmp_path):
     readme.write_text("no markers\n")
     with pytest.raises(SparsedraftError, match="markers"):
         refresh_readme(readme, records)
-
-
-def test_isa_path_takes_the_best_flag():
-    assert isa_path("flags\t: sse avx avx2 fma\n") == "AVX2"
-    assert isa_path("flags\t: avx2 avx512f avx512_bf16\n") == "AVX512-BF16"
-    assert isa_path("flags\t: avx2 avx512f avx512_bf16 amx_tile amx_bf16\n") == "AMX"
 
 
 def test_the_table_shows_the_options_a_record_resolved():

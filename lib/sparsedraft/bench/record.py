@@ -5,8 +5,8 @@ command, commit, date and machine can be rerun and compared. ``bench ...
 --record docs/results/NAME.json`` (:func:`write_record`) writes the bench's
 JSON object together with that provenance: the command line, ``git rev-parse
 HEAD`` plus whether the tree had uncommitted changes, the UTC date, the CPU's
-best vector path (:func:`isa_path`: the C++ kernels are built with
-``-march=native``, so AVX2 and AVX-512 machines run different code) and the
+best vector path (:func:`sparsedraft.machine.best_isa`: the C++ kernels are
+built with ``-march=native``, so AVX2 and AVX-512 machines run different code) and the
 read bandwidth measured in the bench's own process, the floor every speed is
 judged against, and the load average, since other jobs on the same cores slow
 every figure.
@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import SparsedraftError, require
+from ..machine import best_isa, cpu_flags
 from ..methods import method_options
 from ..roofline import measure_read_bandwidth
 
@@ -42,23 +43,6 @@ END = "<!-- results:end -->"
 # Top-level fields a record must hold; ``machine`` and ``result`` must hold theirs.
 REQUIRED = ("command", "commit", "dirty", "date", "machine", "result")
 MACHINE_REQUIRED = ("isa", "read_gb_s")
-# (flag in /proc/cpuinfo, name), best last: the widest vector path this CPU offers.
-ISA_LADDER = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_tile", "AMX"))
-
-
-def isa_path(cpuinfo: str | None = None) -> str:
-    """The best of AVX2 / AVX-512 / AVX512-BF16 / AMX the CPU reports, else the machine name (e.g. aarch64)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        if line.split(":")[0].strip() in ("flags", "Features"):
-            flags.update(line.split(":", 1)[1].split())
-    best = [name for flag, name in ISA_LADDER if flag in flags]
-    return best[-1] if best else platform.machine() or "unknown"
 
 
 def _git(root: Path, *args: str) -> str | None:
@@ -84,8 +68,9 @@ def machine(read_gb_s: float | None = None) -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
                platform.processor())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other jobs on the cores slow every figure
-    return {"isa": isa_path(), "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "read_gb_s": round(read_gb_s, 2), "load_1min": None if load is None else round(load, 2)}
+    return {"isa": best_isa(cpu_flags()), "cpu": cpu, "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "read_gb_s": round(read_gb_s, 2),
+            "load_1min": None if load is None else round(load, 2)}
 
 
 def _cpuinfo_lines() -> list[str]:
