@@ -167,3 +167,10 @@ def test_sampling_with_a_feature_drafter_keeps_the_target_law(sampling):
 def test_the_same_check_catches_an_always_accept_rule():
     first, pair_p = pvalues(SamplingConfig(temperature=1.0), always_accept, samples=2_000)
     assert min(first, pair_p) < 0.01, (first, pair_p)
+
+
+def test_a_batch_with_a_feature_drafter_is_refused_with_the_fix(pair):
+    target, head, prompt, _ = pair
+    rows = [prompt[0, :40].tolist(), prompt[0].tolist()]
+    with pytest.raises(SparsedraftError, match="one sequence at a time"):
+        decode(target, rows, "spec", 8, draft=head)

@@ -36,6 +36,7 @@ from .model import Transformer
 from .prefilled import PrefilledPrompt
 from .sampling import SamplingConfig
 from .speculative import LevelStats, SpecStats
+from .speculative.feature import FeatureHead
 
 Prompt = str | Sequence[str] | Sequence[int] | torch.Tensor
 
@@ -201,6 +202,9 @@ def _decode_batch(model: Transformer, rows: list[torch.Tensor], method: str, max
         if prefilled is not None:
             prefilled[b].check(model, row[None])
     draft = load_draft(opts.draft, model, getattr(opts, "draft_vocab", 0)) if hasattr(opts, "draft") else None  # once
+    require(not isinstance(draft, FeatureHead),
+            "a feature drafter decodes one sequence at a time for now (its head's steps are not batched across rows "
+            "yet); pass the prompts to decode one by one, or use another draft for the batch")
     require(draft is None or isinstance(draft, Transformer),
             "a Drafter object follows one sequence; for a batch pass the draft as a model or a source string")
     held = prefilled is not None and any(isinstance(p.cache, StaticCache) for p in prefilled)  # not on disk
