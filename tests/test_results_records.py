@@ -75,3 +75,15 @@ def test_the_table_shows_the_options_a_record_resolved():
     options = result["resolved_options"]["triforce"]
     assert render_table([("r.json", record)]).splitlines()[2].startswith(
         f"| triforce (draft {options['draft']}, budget 512, gamma1 {options['gamma1']}, gamma2 {options['gamma2']}) |")
+
+
+def test_bench_record_flag_writes_a_record_the_table_renders(tmp_path, capsys):
+    from sparsedraft.__main__ import main
+    path = tmp_path / "tiny.json"
+    assert main(["bench", "triforce", "--model", "tiny-llama", "--context", "200", "--new-tokens", "8",
+                 "--budget", "64", "--warmup", "0", "--record", str(path)]) == 0
+    [(name, record)] = load_records(tmp_path)
+    assert record["command"] == ("python -m sparsedraft bench triforce --model tiny-llama --context 200 "
+                                 f"--new-tokens 8 --budget 64 --warmup 0 --record {path}")
+    assert record["result"]["resolved_options"]["triforce"]["budget"] == 64
+    assert "| triforce (draft ngram, budget 64," in render_table([(name, record)])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Callable
 
@@ -79,7 +80,8 @@ def run_bench(args: argparse.Namespace) -> None:
         read = found.get("read_gb_s", found.get("read_bandwidth_gbps"))
         if bench.method is not None:
             found["resolved_options"] = resolved_options(config)
-        print(f"record written to {write_record(args.record, found, read, started=started)}", file=sys.stderr)
+        command = "python -m sparsedraft " + shlex.join(getattr(args, "argv", sys.argv[1:]))
+        print(f"record written to {write_record(args.record, found, read, command, started)}", file=sys.stderr)
 
 
 def add_results_parser(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a record names as its command
     try:
         return COMMANDS[args.command][2](args) or 0
     except SparsedraftError as exc:
