@@ -87,3 +87,12 @@ def test_bench_record_flag_writes_a_record_the_table_renders(tmp_path, capsys):
                                  f"--new-tokens 8 --budget 64 --warmup 0 --record {path}")
     assert record["result"]["resolved_options"]["triforce"]["budget"] == 64
     assert "| triforce (draft ngram, budget 64," in render_table([(name, record)])
+
+
+def test_the_readme_table_is_the_rendering_of_the_committed_records():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert table == render_table(load_records(root / "docs" / "results")), \
+        "README's results table differs from docs/results: run python -m sparsedraft results and commit both"
