@@ -22,10 +22,14 @@ def _flagged(config: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(config) if f.metadata.get("cli", True)]
 
 
-def add_config_options(parser: argparse.ArgumentParser, config: type, given_only: bool = False) -> None:
-    """One ``--option`` per dataclass field (``given_only``: no value unless the flag is given)."""
+def add_config_options(parser: argparse.ArgumentParser, config: type, given_only: bool = False,
+                       exclude: typing.Collection[str] = ()) -> None:
+    """One ``--option`` per dataclass field (``given_only``: no value unless the flag is given), except the
+    fields named in ``exclude`` (another config's options already spell them)."""
     hints = typing.get_type_hints(config)
     for f in _flagged(config):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         help_text = f"{f.metadata.get('help', '')} (default: {f.default})"

@@ -53,7 +53,7 @@ class Checkpoint:
     history: list[dict[str, Any]]
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
     tmp.replace(path)
@@ -65,11 +65,9 @@ def save_checkpoint(run_dir: Path, cfg: TrainConfig, drafter: Transformer, optim
     weights = drafter.state_dict()
     if drafter.cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    _atomic_save(weights, run_dir / "drafter.safetensors")
+    atomic_save(weights, run_dir / "drafter.safetensors")
     opt = optimizer.state_dict()
-    moments = {f"{index}.{name}": value for index, state in opt["state"].items()
-               for name, value in state.items() if torch.is_tensor(value)}
-    _atomic_save(moments, run_dir / "optimizer.safetensors")
+    atomic_save(optimizer_tensors(optimizer), run_dir / "optimizer.safetensors")
     state = {"view_version": VIEW_VERSION, "step": step, "config": cfg.to_dict(), "model_config": asdict(drafter.cfg),
              "verifier": {"source": cfg.verifier, "vocab_size": drafter.cfg.vocab_size,
                           "tokenizer": tokenizer_digest(cfg.verifier)},
@@ -77,6 +75,21 @@ def save_checkpoint(run_dir: Path, cfg: TrainConfig, drafter: Transformer, optim
     tmp = run_dir / (STATE + ".tmp")
     tmp.write_text(json.dumps(state, indent=1, default=list))
     tmp.replace(run_dir / STATE)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter tensors (moments, step counts), keyed ``<param index>.<name>``."""
+    return {f"{index}.{name}": value for index, state in optimizer.state_dict()["state"].items()
+            for name, value in state.items() if torch.is_tensor(value)}
+
+
+def optimizer_state(path: Path, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """A torch optimizer state_dict from :func:`optimizer_tensors` saved at ``path`` and its param groups."""
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(str(path)).items():
+        index, name = key.split(".", 1)
+        moments.setdefault(int(index), {})[name] = value
+    return {"state": moments, "param_groups": param_groups}
 
 
 def has_checkpoint(run_dir: Path) -> bool:
@@ -134,14 +147,10 @@ def check_drafter_for(run_dir: Path, vocab_size: int, source: str | None = None)
 
 def load_checkpoint(run_dir: Path) -> Checkpoint:
     state = read_state(run_dir)
-    moments: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in load_file(str(run_dir / "optimizer.safetensors")).items():
-        index, name = key.split(".", 1)
-        moments.setdefault(int(index), {})[name] = value
     return Checkpoint(step=state["step"], config=TrainConfig.from_dict(state["config"]),
                       model_config=ModelConfig(**state["model_config"]),
                       weights=load_file(str(run_dir / "drafter.safetensors")),
-                      optimizer={"state": moments, "param_groups": state["param_groups"]},
+                      optimizer=optimizer_state(run_dir / "optimizer.safetensors", state["param_groups"]),
                       history=state["history"])
 
 

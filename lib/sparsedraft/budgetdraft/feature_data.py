@@ -1,0 +1,207 @@
+"""Teacher data for a feature drafter: token windows, and the target's features and greedy tokens over them.
+
+A feature head learns from what the target computes: its top-layer features
+``f_t`` (before the final norm), its greedy next token and its top-k
+probabilities, at every position of a window. On two CPU cores the target
+reads ~100-300 tokens/s, which makes the teacher the costliest part of a
+training run, so every window's teacher is computed once by our own engine
+and cached on disk, one safetensors file per window, named by a hash of
+everything it depends on (format version, target id, config and dtype, the
+window's tokens). A run that is stopped keeps the windows it finished; the
+next one computes only the rest. Features are stored in bf16 (2 bytes per
+number: 2.4 MB per 2K window of SmolLM2).
+
+Three sources of windows, because the essays' train split (~112K tokens) is
+too little text for a head that EAGLE trains on millions of tokens:
+
+- ``essays``: consecutive windows of the essays' train split;
+- ``pydoc``: Python's documentation topics (``pydoc_data.topics``, ~465K
+  characters of English prose shipped with every Python), in windows;
+- ``sampled``: the target's own continuations of train-split essay prompts,
+  sampled at temperature ~0.8 in one batched decode: the text a speculative
+  decoder's drafter faces. Their teacher comes from the decode's own
+  forwards (:func:`continue_with_teacher`), so this text costs one decode,
+  bandwidth-bound and shared by the batch, instead of a second forward; it is
+  cached as one file keyed by the prompts and the sampling law.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..data import Tokenizer, corpus_tokens
+from ..errors import require
+from ..cache import StaticCache
+from ..generate import prefill
+from ..model import Capture, Transformer
+from ..progress import bar
+from .teacher import corpus_windows
+
+FEATURE_DATA_VERSION = 1  # bump when a cached file's meaning changes
+SOURCES = ("essays", "pydoc", "sampled")
+TOP_K = 8  # teacher probabilities kept per position (for a KL loss; the greedy token is the first)
+
+
+@dataclass
+class Window:
+    """One training window and its teacher."""
+
+    tokens: torch.Tensor  # [T] int64
+    features: torch.Tensor  # [T, hidden] bf16: the target's top-layer output at every position
+    greedy: torch.Tensor  # [T] int64: the target's argmax after tokens[:t+1] (what greedy verification accepts)
+    top_ids: torch.Tensor  # [T, TOP_K] int64
+    top_probs: torch.Tensor  # [T, TOP_K] fp16
+    source: str = ""
+
+
+def digest(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    tmp.replace(path)
+
+
+def pydoc_text() -> str:
+    """Python's documentation topics as one text (sorted by topic, so the same on every machine)."""
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def text_windows(tokenizer: Tokenizer, source: str, seq_len: int, count: int) -> torch.Tensor:
+    """[count, seq_len] non-overlapping windows of the essays' train split or of the pydoc text."""
+    require(source in ("essays", "pydoc"), f"text windows come from 'essays' or 'pydoc', got {source!r}")
+    if count == 0:
+        return torch.zeros(0, seq_len, dtype=torch.long)
+    if source == "essays":
+        return corpus_windows(tokenizer, seq_len, count, "train")
+    tokens = torch.tensor(tokenizer.encode(pydoc_text(), add_special_tokens=False), dtype=torch.long)
+    available = tokens.numel() // seq_len
+    require(count <= available, f"the pydoc text holds only {available} windows of {seq_len} tokens, {count} were "
+                                f"asked for; use pydoc_sequences <= {available} or a shorter seq_len")
+    return tokens[:count * seq_len].view(count, seq_len)
+
+
+@torch.inference_mode()
+def continue_with_teacher(target: Transformer, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0,
+                          seed: int = 0, prompt_teacher: bool = True) -> dict[str, torch.Tensor]:
+    """Continue equal-length ``prompts`` [B, P] by ``new_tokens`` (greedy at temperature 0, else sampled from
+    softmax(logits / temperature)) in one batched cache, keeping the teacher of every token from the decode's
+    own forwards: no second pass over the text. Returns ``tokens`` [B, P+N], ``features`` [B, P+N, hidden] bf16,
+    and with ``prompt_teacher`` (one unchunked prompt forward: its logits are B x P x vocab floats) ``greedy``,
+    ``top_ids``, ``top_probs`` over every position; without it the prompt is prefilled in chunks and the
+    teacher of its tokens but the last is not kept (``greedy`` -1 there)."""
+    b, p = prompts.shape
+    gen = torch.Generator().manual_seed(seed)
+    cache = StaticCache(target.cfg, p + new_tokens, b, target.dtype, target.device)
+    capture = Capture(layers=set(), hidden=True)
+    prompts = prompts.to(target.device)
+    if prompt_teacher:
+        logits = target(prompts, cache=cache, capture=capture).float()
+    else:
+        logits = prefill(target, cache, prompts, capture=capture)[:, None].float()
+        logits = torch.cat((logits.new_full((b, p - 1, logits.shape[-1]), float("nan")), logits), dim=1)
+    tokens, features, tops = [prompts.cpu()], [capture.features.to(torch.bfloat16).cpu()], [_top(logits)]
+    for _ in range(new_tokens):
+        last = logits[:, -1]
+        if temperature:
+            nxt = torch.multinomial((last / temperature).softmax(-1).cpu(), 1, generator=gen).to(target.device)
+        else:
+            nxt = last.argmax(-1, keepdim=True)
+        capture = Capture(layers=set(), hidden=True)
+        logits = target(nxt, cache=cache, capture=capture).float()
+        tokens.append(nxt.cpu())
+        features.append(capture.features.to(torch.bfloat16).cpu())
+        tops.append(_top(logits))
+    probs, ids = (torch.cat(parts, dim=1) for parts in zip(*tops))
+    greedy = torch.where(probs[..., 0].isnan(), -1, ids[..., 0])
+    return {"tokens": torch.cat(tokens, dim=1), "features": torch.cat(features, dim=1), "greedy": greedy,
+            "top_ids": ids, "top_probs": probs.to(torch.float16)}
+
+
+def _top(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    probs, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+    return probs.cpu(), ids.cpu()
+
+
+def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, count: int, prompt_len: int,
+                    new_tokens: int, temperature: float, seed: int, cache_dir: str | Path, compute: bool = True,
+                    batch: int = 16, progress: bool = False) -> list[Window]:
+    """``count`` windows of ``prompt_len + new_tokens``: prompts spread evenly over the essays' train split and
+    the target's sampled continuations of them, ``batch`` rows per decode, with the teacher the decode
+    computed anyway; cached on disk as one file."""
+    if count == 0:
+        return []
+    corpus = corpus_tokens(tokenizer, "train")
+    stride = corpus.numel() // count
+    require(stride >= prompt_len, f"{count} prompts of {prompt_len} tokens do not fit in the train split's "
+                                  f"{corpus.numel()} tokens; ask for fewer sampled_sequences or shorter prompts")
+    prompts = torch.stack([corpus[i * stride:i * stride + prompt_len] for i in range(count)])
+    key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
+           "dtype": str(target.dtype), "prompts": hashlib.sha256(prompts.numpy().tobytes()).hexdigest(),
+           "new_tokens": new_tokens, "temperature": temperature, "seed": seed, "batch": batch}
+    path = Path(cache_dir) / f"sampled-{digest(key)}.safetensors"
+    if not path.is_file():
+        require(compute, f"the sampled continuations are not cached (expected {path}); run once without "
+                         "--no-teacher")
+        parts = [continue_with_teacher(target, prompts[i:i + batch], new_tokens, temperature, seed + i)
+                 for i in bar(range(0, count, batch), desc="sampled", unit="batch", show=progress)]
+        save_tensors({k: torch.cat([part[k] for part in parts]) for k in parts[0]}, path,
+                     {"key": json.dumps(key, sort_keys=True, default=str)})
+    stored = load_file(str(path))
+    return [Window(stored["tokens"][i], stored["features"][i], stored["greedy"][i], stored["top_ids"][i],
+                   stored["top_probs"][i], "sampled") for i in range(count)]
+
+
+@torch.inference_mode()
+def teacher_of(target: Transformer, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One target forward over ``tokens`` [T]: features, greedy tokens and top-k probabilities (CPU)."""
+    capture = Capture(layers=set(), hidden=True)
+    logits = target(tokens[None].to(target.device), capture=capture)[0].float()
+    probs, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+    return {"features": capture.features[0].to(torch.bfloat16).cpu(), "greedy": ids[:, 0].cpu(),
+            "top_ids": ids.cpu(), "top_probs": probs.to(torch.float16).cpu()}
+
+
+def window_file(cache_dir: str | Path, target_id: str, target: Transformer, tokens: torch.Tensor) -> Path:
+    key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
+           "dtype": str(target.dtype), "tokens": hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest()}
+    return Path(cache_dir) / f"window-{digest(key)}.safetensors"
+
+
+def teacher_windows(target: Transformer, target_id: str, windows: torch.Tensor, source: str, cache_dir: str | Path,
+                    compute: bool = True, progress: bool = False) -> list[Window]:
+    """The teacher of every row of ``windows`` [N, T], from the disk cache or one target forward each."""
+    out = []
+    for row in bar(windows, desc=f"features ({source})", unit="win", show=progress):
+        path = window_file(cache_dir, target_id, target, row)
+        if path.is_file():
+            stored = load_file(str(path))
+            require(torch.equal(stored["tokens"], row.to(torch.int64)),
+                    f"feature cache {path} holds other tokens than its name claims; delete the file")
+        else:
+            require(compute, f"the teacher of a {source} window is not cached (expected {path}); run once without "
+                             "--no-teacher to compute it")
+            stored = {"tokens": row.to(torch.int64), **teacher_of(target, row)}
+            save_tensors(stored, path)
+        out.append(Window(stored["tokens"], stored["features"], stored["greedy"], stored["top_ids"],
+                          stored["top_probs"], source))
+    return out
+
+
+def feature_scale(windows: list[Window]) -> float:
+    """The features' root mean square over (a sample of) the windows: the unit of the regression loss and of
+    the input noise, so both mean the same on any target."""
+    require(len(windows) > 0, "no training windows: ask for essays, pydoc or sampled sequences")
+    sample = torch.cat([w.features[::16].float() for w in windows[:64]])
+    return float(sample.pow(2).mean().sqrt())

@@ -1,0 +1,205 @@
+"""How well a feature drafter agrees with its target: three measures, from cheapest to closest to decoding.
+
+(a) :func:`window_agreement`: teacher-forced first-draft agreement on held-out
+    essay windows (the head's argmax at each entry, true features in, against
+    the target's greedy token), plus the agreement of unrolled draft steps
+    1..J (the head fed its own predicted features, as in decoding).
+(b) :func:`continuation_report` ``first_draft``: the same first-draft
+    agreement on the target's own greedy continuations of held-out prompts
+    at long context (:func:`greedy_continuations`: one batched prefill, then
+    greedy decoding that keeps every feature). Those are exactly the
+    positions a greedy speculative decoder's first draft faces.
+(c) :func:`continuation_report` ``gamma``: greedy speculation simulated on
+    those continuations with a full cache: each round drafts gamma tokens on
+    the head's own predicted features, accepts the longest prefix equal to
+    the target's tokens, and the next round starts after the target's bonus
+    token. Drafting rounds at every start come from one
+    :func:`~.feature_loss.unroll` (its chains are decoding's rounds), so the
+    figure is the speculative decoder's, without running it.
+
+Every measure is given for the full head and, when a draft vocabulary is
+passed, for the restricted head over it. The continuation set is cached on
+disk like the training teacher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from safetensors.torch import load_file
+
+from ..data import Tokenizer, prompt_tokens
+from ..errors import require
+from ..model import Capture, Transformer
+from ..speculative.feature import FeatureHead
+from .feature_data import FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, save_tensors
+from .feature_loss import TokenHead, unroll
+from .view import BudgetView, kept_prefix
+
+if TYPE_CHECKING:
+    from .feature_config import FeatureTrainConfig
+
+GAMMAS = (2, 3, 4, 5, 6)
+
+
+@torch.no_grad()
+def window_agreement(head: FeatureHead, window: Window, ids: torch.Tensor | None, steps: int,
+                     stride: int = 4) -> dict[str, float]:
+    """(a) on one window: ``first_draft`` (full head), ``first_draft_vocab`` (restricted head, when ``ids``),
+    and ``step_j`` for unrolled steps 1..``steps`` at every ``stride``-th chain start (full head)."""
+    device = head.device
+    tokens, greedy = window.tokens[None].to(device), window.greedy[None].to(device)
+    t = tokens.shape[1]
+    starts = torch.arange(0, t - 1 - steps, stride, device=device)
+    outs, _ = unroll(head, window.features[None].to(device).float(), tokens, starts, steps)
+    full = TokenHead(head, None)
+    out = {"first_draft": float((full.predict(outs[0]) == greedy[:, 1:]).float().mean())}
+    if ids is not None:
+        out["first_draft_vocab"] = float((TokenHead(head, ids.to(device)).predict(outs[0]) == greedy[:, 1:])
+                                         .float().mean())
+    for j in range(1, steps + 1):
+        out[f"step_{j}"] = float((full.predict(outs[j]) == greedy[:, starts + j + 1]).float().mean())
+    return out
+
+
+@torch.no_grad()
+def budgeted_agreement(head: FeatureHead, window: Window, budgets: Sequence[int], continuation: int,
+                       chunk_size: int, obs_window: int, scoring: str = "attention") -> dict[str, float]:
+    """First-draft agreement on a window's last ``continuation`` entries drafted through the budget-B view of
+    the head's own KV (what L_C trains; the robustness proxy), per budget, beside the full view's
+    (``full``) at the same entries: the figure that tells L_A + lambda * L_C from L_A alone."""
+    device = head.device
+    tokens, greedy = window.tokens[None].to(device), window.greedy[None].to(device)
+    features = window.features[None].to(device).float()
+    t = tokens.shape[1]
+    prefix = t - 1 - continuation
+    require(prefix > max(budgets), f"a window of {t} tokens leaves a prefix of {prefix} entries, not more than the "
+                                   f"largest budget {max(budgets)}; use a shorter continuation")
+    capture = Capture(layers={0})
+    outs, view = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long, device=device), 0, None, capture)
+    tok = TokenHead(head, None)
+    wanted = greedy[:, prefix + 1:]
+    out = {"full": float((tok.predict(outs[0][:, prefix:]) == wanted).float().mean())}
+    positions = torch.arange(prefix, t - 1, device=device)
+    for budget in budgets:
+        kept = kept_prefix(head, capture.queries, view.keys[0], prefix, budget, chunk_size, obs_window, scoring)
+        pred = head(features[:, prefix:t - 1], tokens[:, prefix + 1:], positions,
+                    BudgetView(view.keys[0], view.values[0], kept))
+        out[str(budget)] = float((tok.predict(pred) == wanted).float().mean())
+    return out
+
+
+@dataclass
+class Continuations:
+    """Held-out prompts and the target's greedy continuations, with the target's feature at every token."""
+
+    tokens: torch.Tensor  # [P, L + N] int64
+    features: torch.Tensor  # [P, L + N, hidden] bf16
+    prompt_len: int  # L
+
+
+def greedy_continuations(target: Transformer, target_id: str, tokenizer: Tokenizer, cache_dir: str | Path,
+                         prompts: int = 6, context: int = 4096, new_tokens: int = 160,
+                         compute: bool = True) -> Continuations:
+    """``prompts`` consecutive held-out essay prompts of ``context`` tokens and ``new_tokens`` greedy tokens
+    after each (cached on disk, keyed by the target and the prompts)."""
+    rows = torch.stack([prompt_tokens(tokenizer, context, split="heldout", variant=i) for i in range(prompts)])
+    key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
+           "dtype": str(target.dtype), "prompts": hashlib.sha256(rows.numpy().tobytes()).hexdigest(),
+           "new_tokens": new_tokens}
+    path = Path(cache_dir) / f"continuations-{digest(key)}.safetensors"
+    if not path.is_file():
+        require(compute, f"the greedy continuations are not cached (expected {path})")
+        out = continue_with_teacher(target, rows, new_tokens, prompt_teacher=False)
+        save_tensors({"tokens": out["tokens"], "features": out["features"]}, path,
+                     {"key": json.dumps(key, default=str)})
+    stored = load_file(str(path))
+    return Continuations(stored["tokens"], stored["features"], context)
+
+
+def accepted_per_round(matches: torch.Tensor, gamma: int) -> list[int]:
+    """Greedy rounds over ``matches`` [starts, >= gamma] bool (row r: the round whose drafting starts at the r-th
+    entry, column j: its draft j equals the target's token): accepted drafts of each round, in order; a round
+    that accepts a drafts is followed by the target's own token, so the next starts a + 1 rows later."""
+    out, row = [], 0
+    while row < matches.shape[0]:
+        hits = matches[row, :gamma]
+        accepted = int(hits.long().cumprod(0).sum())
+        out.append(accepted)
+        row += accepted + 1
+    return out
+
+
+@torch.no_grad()
+def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tensor | None = None,
+                        gammas: Sequence[int] = GAMMAS) -> dict[str, Any]:
+    """(b) ``first_draft`` and (c) per gamma ``accepted_per_round`` / ``tokens_per_round`` (accepted + the
+    target's own token), for the full head (and ``*_vocab`` for the restricted head over ``ids``)."""
+    require(len(gammas) >= 1 and min(gammas) >= 1, f"gammas must be >= 1, got {list(gammas)}")
+    device, top = head.device, max(gammas)
+    heads = {"": TokenHead(head, None)}
+    if ids is not None:
+        heads["_vocab"] = TokenHead(head, ids.to(device))
+    first = {k: [] for k in heads}
+    rounds: dict[str, dict[int, list[int]]] = {k: {g: [] for g in gammas} for k in heads}
+    length = data.prompt_len
+    for row in range(data.tokens.shape[0]):
+        tokens = data.tokens[row:row + 1].to(device)
+        t = tokens.shape[1]
+        starts = torch.arange(length - 1, t - top - 1, device=device)  # rounds whose gamma drafts all have a token
+        outs, _ = unroll(head, data.features[row:row + 1].to(device).float(), tokens, starts, top - 1)
+        for name, tok in heads.items():
+            drafts = tok.predict(outs[0][:, length - 1:t - 2])  # entry e predicts token e + 2
+            first[name].append((drafts == tokens[:, length + 1:]).float().flatten())
+            steps = [outs[0][:, starts]] + outs[1:]  # draft j of the round starting at each chain start
+            chain = torch.stack([tok.predict(steps[j])[0] == tokens[0, starts + j + 2] for j in range(top)], dim=1)
+            for g in gammas:
+                rounds[name][g] += accepted_per_round(chain, g)
+    report: dict[str, Any] = {"positions": int(sum(x.numel() for x in first[""])), "prompt_len": length,
+                              "prompts": int(data.tokens.shape[0])}
+    for name in heads:
+        report[f"first_draft{name}"] = float(torch.cat(first[name]).mean())
+        report[f"gamma{name}"] = {g: {"accepted_per_round": sum(r) / len(r), "tokens_per_round": 1 + sum(r) / len(r),
+                                      "rounds": len(r)} for g, r in rounds[name].items()}
+    return report
+
+
+@torch.no_grad()
+def slice_first_draft(drafter: Transformer, data: Continuations) -> float:
+    """(b) for a standalone drafter (BudgetDraft's slice): its teacher-forced argmax after each continuation
+    token vs the target's next token, at the positions :func:`continuation_report` scores."""
+    hits = []
+    for row in range(data.tokens.shape[0]):
+        tokens = data.tokens[row:row + 1].to(drafter.device)
+        logits = drafter(tokens[:, :-1])[:, data.prompt_len:]  # after x_L .. x_{T-2}
+        hits.append((logits.argmax(-1) == tokens[:, data.prompt_len + 1:]).float().flatten())
+    return float(torch.cat(hits).mean())
+
+
+def final_report(cfg: "FeatureTrainConfig", slice_run: str | Path = "outputs/budgetdraft/default"
+                 ) -> Callable[[FeatureHead], dict[str, Any]]:
+    """The end-of-run check of ``cfg`` as a function of the trained head: (b) and (c) on ``cfg.final_prompts``
+    greedy continuations at ``cfg.final_context``, full and draft-vocabulary heads, and (b) for the slice
+    drafter in ``slice_run`` when that folder holds one (the record says when it does not)."""
+    def evaluate(head: FeatureHead) -> dict[str, Any]:
+        from ..data import model_tokenizer
+        from ..speculative.vocab import frequent_tokens
+        from .checkpoint import has_checkpoint, load_drafter
+        target = head.target
+        tokenizer = model_tokenizer(cfg.verifier)
+        data = greedy_continuations(target, cfg.verifier, tokenizer, cfg.teacher_dir, cfg.final_prompts,
+                                    cfg.final_context, cfg.final_tokens, cfg.teacher)
+        ids = frequent_tokens(tokenizer, cfg.draft_vocab, target.cfg.vocab_size) if cfg.draft_vocab else None
+        report = continuation_report(head, data, ids)
+        if has_checkpoint(Path(slice_run)):
+            drafter = load_drafter(slice_run, dtype=target.dtype, device=target.device)
+            report["slice_first_draft"] = {"run": str(slice_run), "first_draft": slice_first_draft(drafter, data)}
+        else:
+            report["slice_first_draft"] = f"no slice drafter in {slice_run}: not measured"
+        return report
+    return evaluate

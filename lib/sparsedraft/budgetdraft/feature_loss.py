@@ -1,0 +1,219 @@
+"""The feature drafter's objective: EAGLE's loss, an unrolled training-time test, and BudgetDraft's L_C.
+
+Entry ``t`` of a window is ``(f_t, x_{t+1})``; the head predicts ``f_{t+1}``
+and, through the target's norm and head, the verifier's greedy token after
+``x_{t+1}``. Per predicted entry the loss is EAGLE's pair: a smooth-L1
+regression on the next feature, in units of the features' RMS (so it means
+the same on any target), plus cross-entropy against the verifier's greedy
+token (the token greedy verification accepts), optionally over a restricted
+draft vocabulary (tokens outside it are left out of the CE).
+
+**Training-time test, faithful to inference.** At draft step ``j`` of a round
+that starts at entry ``s`` (the newest entry with a true feature), the head's
+cache holds true-feature entries ``0..s`` and its own entries ``s+1..s+j``,
+whose features are its previous predictions. :class:`UnrollView` is a cache
+that gives the head exactly that: step 0 runs every entry causally over true
+(noised) features, as teacher forcing does; step ``j >= 1`` runs one entry
+per sampled chain start ``s`` (at position ``s + j``, fed the step ``j - 1``
+prediction of that chain) and lets it attend to the step-0 keys at positions
+``<= s`` plus the keys of steps ``1..j`` of its own chain, all in one
+softmax. Only the sampled chains run past step 0, so the unroll costs
+``chains / T`` of a full forward per step; gradients flow through the chain.
+The test ``tests/test_feature_train.py`` checks step ``j`` against the head
+drafting over a :class:`~sparsedraft.cache.StaticCache`.
+
+**Budget variant.** L_C drafts the window's last ``continuation`` entries
+(step 0, true features) through BudgetDraft's :class:`~.view.BudgetView`
+over the head's own step-0 keys, with the chunks a budget-B cache keeps, so
+the head learns to predict under any budget it may be deployed with;
+``lam = 0`` is the L_A-only ablation and skips the branch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import CAUSAL, KVCache
+from ..errors import require
+from ..model import Capture, project
+from ..speculative.feature import FeatureHead
+from ..speculative.vocab import SubsetHead
+from .view import BudgetView, kept_prefix
+
+
+class UnrollView(KVCache):
+    """The head's context at every draft step of many rounds at once (see the module docstring).
+
+    ``starts`` [n]: chain starts (entry positions). Forward 0 takes every entry of the window at positions
+    ``0..T-1``; forward ``j`` takes one entry per chain at ``starts + j``. Keys/values of every forward are
+    kept per layer (``keys[step][layer]`` [B, kv_heads, T or n, head_dim]), graph included.
+    """
+
+    def __init__(self, starts: torch.Tensor):
+        self.starts = starts
+        self.keys: list[dict[int, torch.Tensor]] = []
+        self.values: list[dict[int, torch.Tensor]] = []
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+        self._mask = None
+        self._width = 0  # entries of forward 0
+
+    @property
+    def step(self) -> int:
+        return len(self.keys)
+
+    def begin(self, positions: torch.Tensor) -> torch.Tensor:
+        j = self.step
+        device = positions.device
+        if j == 0:
+            t = positions.shape[1]
+            require(bool((positions == torch.arange(t, device=device)).all()),
+                    "an UnrollView's first forward takes the window's entries at positions 0..T-1")
+            self._width, self._mask = t, CAUSAL
+        else:
+            n = self.starts.numel()
+            require(positions.shape[1] == n and bool((positions == self.starts + j).all()),
+                    f"forward {j} of an UnrollView takes one entry per chain, at starts + {j}")
+            past = torch.arange(self._width, device=device)[None] <= self.starts[:, None]  # [n, T]
+            own = torch.eye(n, dtype=torch.bool, device=device).repeat(1, j)  # its chain's steps 1..j
+            self._mask = torch.cat((past, own), dim=1)[None, None]
+        self._k, self._v = {}, {}
+        return positions
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self._k[layer], self._v[layer] = k, v
+        if self.step == 0:  # contiguous: a short window without autograd takes the C++ causal kernel
+            return k.contiguous(), v.contiguous(), self._mask
+        keys = torch.cat([s[layer] for s in self.keys] + [k], dim=2)
+        values = torch.cat([s[layer] for s in self.values] + [v], dim=2)
+        return keys, values, self._mask.expand(k.shape[0], -1, -1, -1)
+
+    def end(self) -> None:
+        self.keys.append(self._k)
+        self.values.append(self._v)
+        self._mask = None
+
+    def rollback(self, n: int) -> None:
+        require(n == 0, "an UnrollView keeps no state to roll back")
+
+    def reset(self) -> None:
+        self.keys, self.values, self._mask = [], [], None
+
+
+def unroll(head: FeatureHead, features: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, steps: int,
+           noise: torch.Tensor | None = None, capture: Capture | None = None) -> tuple[list[torch.Tensor], UnrollView]:
+    """Predicted features of forward 0 ([B, T-1, H], entries 0..T-2) and of draft steps 1..``steps`` ([B, n, H],
+    entries ``starts + j``), for ``features`` [B, T, H] and ``tokens`` [B, T]; ``noise`` is added to forward 0's
+    input features. Needs ``starts + steps <= T - 2``."""
+    t = tokens.shape[1]
+    last = int(starts.max()) if starts.numel() else -1
+    require(last + steps <= t - 2, f"a chain starting at {last} needs {steps} steps inside a window of {t} tokens")
+    view = UnrollView(starts)
+    inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
+    outs = [head(inputs, tokens[:, 1:], torch.arange(t - 1, device=tokens.device), view, capture)]
+    previous = outs[0][:, starts]
+    for j in range(1, steps + 1):
+        previous = head(previous, tokens[:, starts + j + 1], starts + j, view)
+        outs.append(previous)
+    return outs, view
+
+
+class TokenHead:
+    """Logits over the draft vocabulary (``ids``, or all tokens) and the targets mapped into it."""
+
+    def __init__(self, head: FeatureHead, ids: torch.Tensor | None):
+        self.head = head
+        target = head.target
+        self.proj = None if ids is None else SubsetHead(target.lm_head.weight, ids, target.cfg.vocab_size).proj
+        self.ids = ids
+        if ids is not None:
+            self.index = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long, device=ids.device)
+            self.index[ids] = torch.arange(ids.numel(), device=ids.device)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        normed = self.head.target.norm(features)
+        return project(self.head.target.lm_head if self.proj is None else self.proj, normed)
+
+    def targets(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens if self.ids is None else self.index[tokens]
+
+    def predict(self, features: torch.Tensor) -> torch.Tensor:
+        """Token ids (in the full vocabulary) of the argmax."""
+        best = self.logits(features).argmax(-1)
+        return best if self.ids is None else self.ids[best]
+
+
+@dataclass
+class Draws:
+    """What one step samples, from a generator seeded by (seed, step) so a resumed run repeats it."""
+
+    noise: torch.Tensor | None  # [1, T-1, H] added to forward 0's input features
+    ce_positions: torch.Tensor  # [m] entries of forward 0 that get the token loss
+    starts: torch.Tensor  # [n] chain starts of the training-time test
+    budget: int | None  # of L_C; None: no L_C this step (lam 0, or a window too short for every budget)
+
+
+@dataclass
+class FeatureLossParts:
+    total: torch.Tensor  # differentiable
+    parts: dict[str, float] = field(default_factory=dict)  # feat_j / token_j per step, loss_a, loss_c
+
+
+def feature_l1(pred: torch.Tensor, target: torch.Tensor, scale: float) -> torch.Tensor:
+    """Smooth-L1 between predicted and true features [B, n, H], in units of the features' RMS."""
+    return F.smooth_l1_loss(pred.float() / scale, target.float() / scale)
+
+
+def token_ce(tokens: TokenHead, pred: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the draft's logits at ``pred`` [B, n, H] against the verifier's greedy tokens [B, n]."""
+    ce = F.cross_entropy(tokens.logits(pred).flatten(0, 1).float(), tokens.targets(greedy).flatten(),
+                         ignore_index=-100)
+    return torch.nan_to_num(ce)  # every target outside the draft vocabulary: nothing to learn here
+
+
+def entry_loss(tokens: TokenHead, pred: torch.Tensor, target_features: torch.Tensor, greedy: torch.Tensor,
+               scale: float, feature_weight: float, token_weight: float) -> tuple[torch.Tensor, float, float]:
+    """EAGLE's per-entry pair: (weighted sum, regression, CE)."""
+    feat, ce = feature_l1(pred, target_features, scale), token_ce(tokens, pred, greedy)
+    return feature_weight * feat + token_weight * ce, feat.item(), ce.item()
+
+
+def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tensor, features: torch.Tensor,
+                 greedy: torch.Tensor, draws: Draws, *, scale: float, feature_weight: float, token_weight: float,
+                 step_decay: float, unroll_steps: int, lam: float, continuation: int, chunk_size: int,
+                 obs_window: int, scoring: str) -> FeatureLossParts:
+    """L_A (+ lam * L_C) of one window: tokens/greedy [1, T], features [1, T, H] (float)."""
+    sparse = bool(lam) and draws.budget is not None
+    capture = Capture(layers={0}) if sparse else None
+    outs, view = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture)
+    parts: dict[str, float] = {}
+    pred0 = outs[0]
+    feat0 = feature_l1(pred0, features[:, 1:], scale)  # every entry: the regression needs no head
+    ce0 = token_ce(tokens, pred0[:, draws.ce_positions], greedy[:, draws.ce_positions + 1])
+    loss_a = feature_weight * feat0 + token_weight * ce0
+    parts["feat_0"], parts["token_0"] = feat0.item(), ce0.item()
+    weights = 1.0
+    for j in range(1, unroll_steps + 1):
+        weights += step_decay ** j
+        at = draws.starts + j + 1  # what entry starts + j predicts
+        term, parts[f"feat_{j}"], parts[f"token_{j}"] = entry_loss(tokens, outs[j], features[:, at], greedy[:, at],
+                                                                   scale, feature_weight, token_weight)
+        loss_a = loss_a + step_decay ** j * term
+    loss_a = loss_a / weights
+    parts["loss_a"] = loss_a.item()
+    if not sparse:
+        return FeatureLossParts(loss_a, parts)
+    t = window_tokens.shape[1]
+    prefix = t - 1 - continuation  # entries before the drafted ones: the prompt whose chunks are selected
+    kept = kept_prefix(head, capture.queries, view.keys[0], prefix, draws.budget, chunk_size, obs_window, scoring)
+    inputs = features[:, prefix:t - 1] + (0 if draws.noise is None else draws.noise[:, prefix:])
+    pred = head(inputs, window_tokens[:, prefix + 1:], torch.arange(prefix, t - 1, device=inputs.device),
+                BudgetView(view.keys[0], view.values[0], kept))
+    loss_c, parts["feat_c"], parts["token_c"] = entry_loss(tokens, pred, features[:, prefix + 1:],
+                                                           greedy[:, prefix + 1:], scale, feature_weight,
+                                                           token_weight)
+    parts["loss_c"] = loss_c.item()
+    return FeatureLossParts(loss_a + lam * loss_c, parts)

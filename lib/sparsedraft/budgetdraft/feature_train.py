@@ -1,0 +1,290 @@
+"""Train a feature drafter (EAGLE-style head) against a frozen target: ``train-drafter --kind feature``.
+
+:func:`train_feature_drafter` runs the whole recipe from one
+:class:`~.feature_config.FeatureTrainConfig`: teacher data cached on disk
+(:mod:`.feature_data`), a head started as EAGLE starts it (the target's top
+block, ``fc`` passing the feature through), AdamW with warm-up and cosine
+decay over the loss of :mod:`.feature_loss`, a held-out agreement curve
+against training tokens seen (``curve.csv``), checkpoints (resume is
+automatic when the run folder holds one), and at the end the drafter folder
+that :func:`~sparsedraft.speculative.feature.load_feature_head` reads, with
+the run's record (recipe, command, commit, date, ISA, wall time, peak RSS,
+data sizes, agreements). Every draw of a step (window, noise, loss
+positions, chains, budget) comes from a generator seeded by (seed, step), so
+a resumed run repeats an uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import resource
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file
+
+from ..data import Tokenizer, model_tokenizer
+from ..errors import require
+from ..model import Transformer
+from ..progress import bar, bars_on
+from ..speculative.feature import FeatureHead, save_feature_head
+from ..speculative.vocab import frequent_tokens
+from ..weights import load_model
+from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
+from .feature_config import FeatureTrainConfig
+from .feature_data import Window, feature_scale, sampled_teacher, teacher_windows, text_windows
+from .feature_eval import budgeted_agreement, window_agreement
+from .feature_loss import Draws, TokenHead, feature_loss
+from .teacher import corpus_windows
+
+STATE = "state.json"
+CURVE = "curve.csv"
+DRAFTER = "drafter"  # the run folder's trained drafter (what --export copies)
+
+
+@dataclass
+class FeatureData:
+    train: list[Window]
+    held_out: list[Window]
+    scale: float  # the features' RMS: unit of the regression and of the noise
+    ids: torch.Tensor | None  # the training CE's draft vocabulary (None: all tokens)
+
+    def sizes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for w in self.train:
+            out[f"{w.source}_tokens"] = out.get(f"{w.source}_tokens", 0) + w.tokens.numel()
+        return {**out, "train_windows": len(self.train), "train_tokens": sum(w.tokens.numel() for w in self.train),
+                "held_out_tokens": sum(w.tokens.numel() for w in self.held_out)}
+
+
+def load_feature_data(cfg: FeatureTrainConfig, target: Transformer, tokenizer: Tokenizer,
+                      progress: bool) -> FeatureData:
+    """Every window the run trains and evaluates on, with its teacher (computed once, then read from disk)."""
+    cache = cfg.teacher_dir
+    train: list[Window] = []
+    for source, count in (("essays", cfg.sequences), ("pydoc", cfg.pydoc_sequences)):
+        windows = text_windows(tokenizer, source, cfg.seq_len, count)
+        train += teacher_windows(target, cfg.verifier, windows, source, cache, cfg.teacher, progress)
+    train += sampled_teacher(target, cfg.verifier, tokenizer, cfg.sampled_sequences, cfg.sampled_prompt,
+                             cfg.sampled_tokens, cfg.temperature, cfg.seed, cache, cfg.teacher, cfg.sample_batch,
+                             progress)
+    held = corpus_windows(tokenizer, cfg.seq_len, cfg.eval_sequences, "heldout") if cfg.eval_sequences else \
+        torch.zeros(0, cfg.seq_len, dtype=torch.long)
+    held_out = teacher_windows(target, cfg.verifier, held, "heldout", cache, cfg.teacher, progress)
+    ids = frequent_tokens(tokenizer, cfg.draft_vocab, target.cfg.vocab_size) if cfg.draft_vocab else None
+    return FeatureData(train, held_out, feature_scale(train), ids)
+
+
+def learning_rate(cfg: FeatureTrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr / 10`` at ``steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def step_draws(cfg: FeatureTrainConfig, step: int, windows: list[Window], scale: float,
+               hidden: int) -> tuple[int, Draws]:
+    """(window index, draws) of step ``step``, from (seed, step) alone."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    index = int(torch.randint(len(windows), (1,), generator=gen))
+    t = windows[index].tokens.numel()
+    noise = None
+    if cfg.noise:
+        noise = (torch.rand(1, t - 1, hidden, generator=gen) * 2 - 1) * (cfg.noise * scale)
+    count = max(1, round(cfg.loss_fraction * (t - 1)))
+    ce_positions = torch.randperm(t - 1, generator=gen)[:count].sort().values
+    room = t - 1 - cfg.unroll  # chain starts 0 .. t - 2 - unroll
+    starts = torch.randperm(room, generator=gen)[:min(cfg.chains, room)].sort().values
+    fitting = [b for b in cfg.budgets if b < t - 1 - cfg.continuation]  # a budget must leave the prefix sparse
+    budget = fitting[int(torch.randint(len(fitting), (1,), generator=gen))] if cfg.lam and fitting else None
+    return index, Draws(noise, ce_positions, starts, budget)
+
+
+def train_step(cfg: FeatureTrainConfig, head: FeatureHead, tokens: TokenHead, optimizer: torch.optim.Optimizer,
+               data: FeatureData, step: int) -> dict[str, Any]:
+    """One optimizer step (index ``step``, 0-based) on one window; returns its history entry."""
+    start = time.perf_counter()
+    index, draws = step_draws(cfg, step, data.train, data.scale, head.cfg.hidden_size)
+    lr = learning_rate(cfg, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    window, device = data.train[index], head.device
+    move = {"noise": None if draws.noise is None else draws.noise.to(device)}
+    draws = Draws(move["noise"], draws.ce_positions.to(device), draws.starts.to(device), draws.budget)
+    out = feature_loss(head, tokens, window.tokens[None].to(device), window.features[None].to(device).float(),
+                       window.greedy[None].to(device), draws, scale=data.scale, feature_weight=cfg.feature_weight,
+                       token_weight=cfg.token_weight, step_decay=cfg.step_decay, unroll_steps=cfg.unroll,
+                       lam=cfg.lam, continuation=cfg.continuation, chunk_size=cfg.chunk_size,
+                       obs_window=cfg.obs_window, scoring=cfg.scoring)
+    out.total.backward()
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"step": step + 1, "tokens": window.tokens.numel(), "lr": lr, "budget": draws.budget,
+            "seconds": time.perf_counter() - start, **out.parts}
+
+
+def held_out_agreement(cfg: FeatureTrainConfig, head: FeatureHead, data: FeatureData) -> dict[str, float]:
+    """Teacher-forced first-draft agreement (full head and draft vocabulary) and unrolled step-j agreement,
+    averaged over the held-out windows."""
+    if not data.held_out:
+        return {}
+    was = head.training
+    head.eval()
+    rows = [{**window_agreement(head, w, data.ids, cfg.unroll),
+             **{f"budget_{k}": v for k, v in budgeted_agreement(head, w, cfg.budgets, eval_continuation(cfg, w),
+                                                                cfg.chunk_size, cfg.obs_window, cfg.scoring).items()}}
+            for w in data.held_out]
+    head.train(was)
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+
+
+def eval_continuation(cfg: FeatureTrainConfig, window: Window) -> int:
+    """Entries the budgeted agreement drafts at the end of a held-out window: 4x L_C's, as the prefix allows."""
+    return max(1, min(4 * cfg.continuation, window.tokens.numel() - 2 - max(cfg.budgets)))
+
+
+def save_state(cfg: FeatureTrainConfig, head: FeatureHead, optimizer: torch.optim.Optimizer, step: int,
+               history: list[dict[str, Any]], scale: float) -> None:
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_save(head.state_dict(), run_dir / "head.safetensors")
+    atomic_save(optimizer_tensors(optimizer), run_dir / "optimizer.safetensors")
+    state = {"kind": "feature", "step": step, "config": cfg.to_dict(), "scale": scale,
+             "param_groups": optimizer.state_dict()["param_groups"], "history": history}
+    tmp = run_dir / (STATE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1, default=list))
+    tmp.replace(run_dir / STATE)
+
+
+def check_resumable(cfg: FeatureTrainConfig) -> dict[str, Any] | None:
+    """The saved state of ``cfg``'s run folder, if any, after checking it is this run's (before heavy work)."""
+    path = cfg.run_dir / STATE
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    require(state.get("kind") == "feature", f"{cfg.run_dir} holds a checkpoint of another drafter kind; choose "
+                                            "another out_dir or delete the folder")
+    saved = FeatureTrainConfig.from_dict(state["config"]).shaping()
+    diff = sorted(k for k, v in cfg.shaping().items() if saved.get(k) != v)
+    require(not diff, f"{cfg.run_dir} holds a checkpoint of a different run (fields {diff} differ); choose another "
+                      "out_dir or delete the folder")
+    return state
+
+
+def write_curve(run_dir: Path, history: list[dict[str, Any]]) -> None:
+    """``curve.csv``: held-out agreement against training tokens seen (one row per evaluation)."""
+    rows, seen = [], 0
+    for entry in history:
+        seen += entry.get("tokens", 0)
+        if "eval" in entry:
+            rows.append({"step": entry["step"], "train_tokens_seen": seen, **entry["eval"]})
+    if rows:
+        with open(run_dir / CURVE, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+@dataclass
+class FeatureTrainResult:
+    run_dir: Path
+    head: FeatureHead
+    step: int
+    history: list[dict[str, Any]]
+    record: dict[str, Any]  # what the drafter folder's record holds besides the target
+
+
+def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = None,
+                          tokenizer: Tokenizer | None = None, progress: bool = True,
+                          callback: Callable[[dict[str, Any]], None] | None = None,
+                          evaluate: Callable[[FeatureHead], dict[str, Any]] | None = None,
+                          provenance: bool = True) -> FeatureTrainResult:
+    """Train (or resume) the run ``cfg`` describes and write its drafter folder (and ``cfg.export``).
+
+    ``evaluate(head)`` (e.g. :func:`~.feature_eval.final_report`) adds end-of-run measurements to the
+    record; ``callback`` sees each step's history entry after its checkpoint; ``provenance=False`` leaves
+    the commit and the machine (git and a bandwidth measurement: seconds) out of the record."""
+    began = time.time()
+    progress = progress and bars_on()
+    saved = check_resumable(cfg)
+    torch.manual_seed(cfg.seed)
+    target = target if target is not None else load_model(cfg.verifier, device=cfg.device)
+    target.requires_grad_(False)
+    tokenizer = tokenizer if tokenizer is not None else model_tokenizer(cfg.verifier)
+    data = load_feature_data(cfg, target, tokenizer, progress)
+    data_seconds = time.time() - began
+
+    head = FeatureHead(target.cfg).to(device=target.device, dtype=torch.float32)
+    head.attach(target)
+    step, history = 0, []
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if saved is not None:
+        head.load_state_dict(load_file(str(cfg.run_dir / "head.safetensors")))
+        optimizer.load_state_dict(optimizer_state(cfg.run_dir / "optimizer.safetensors", saved["param_groups"]))
+        step, history = saved["step"], saved["history"]
+    else:
+        head.init_from(target)
+        if cfg.eval_every:
+            history.append({"step": 0, "tokens": 0, "eval": held_out_agreement(cfg, head, data)})
+    tokens = TokenHead(head, data.ids)
+    head.train()
+
+    steps = bar(total=cfg.steps, initial=step, desc="train-drafter (feature)", unit="step", leave=True,
+                show=progress)
+    while step < cfg.steps:
+        entry = train_step(cfg, head, tokens, optimizer, data, step)
+        step += 1
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            entry["eval"] = held_out_agreement(cfg, head, data)
+        history.append(entry)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            save_state(cfg, head, optimizer, step, history, data.scale)
+            write_curve(cfg.run_dir, history)
+        steps.set_postfix(loss=f"{entry['loss_a']:.3f}", tok0=f"{entry['token_0']:.2f}",
+                          feat0=f"{entry['feat_0']:.3f}")
+        steps.update(1)
+        if callback is not None:
+            callback(entry)
+    steps.close()
+    head.eval()
+    final = held_out_agreement(cfg, head, data)
+    history.append({"step": step, "tokens": 0, "eval": final})
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    write_curve(cfg.run_dir, history)
+    record = run_record(cfg, data, history, began, data_seconds, final, provenance)
+    if evaluate is not None:
+        record["measured"] = evaluate(head)
+    record["wall_seconds"] = round(time.time() - began, 1)
+    record["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    drafter = save_feature_head(head, cfg.run_dir / DRAFTER, target, record)
+    if cfg.export:
+        Path(cfg.export).mkdir(parents=True, exist_ok=True)
+        for item in drafter.iterdir():
+            shutil.copy2(item, Path(cfg.export) / item.name)
+    return FeatureTrainResult(cfg.run_dir, head, step, history, record)
+
+
+def run_record(cfg: FeatureTrainConfig, data: FeatureData, history: list[dict[str, Any]], began: float,
+               data_seconds: float, final: dict[str, float], provenance: bool = True) -> dict[str, Any]:
+    """What the drafter folder says about how it was made (the target's fingerprint is added on save)."""
+    from ..bench import record
+    trained = [e for e in history if "seconds" in e]
+    seconds = sum(e["seconds"] for e in trained)
+    where = {**record.provenance(), "machine": record.machine()} if provenance else {}
+    return {"recipe": cfg.to_dict(), "command": "python -m sparsedraft " + shlex.join(sys.argv[1:]),
+            **where, "data": data.sizes(), "feature_scale": data.scale,
+            "data_seconds": round(data_seconds, 1), "train_seconds": round(seconds, 1), "steps": cfg.steps,
+            "train_tokens_per_s": round(sum(e["tokens"] for e in trained) / seconds, 1) if seconds else None,
+            "loss": "L_A + lam * L_C" if cfg.lam else "L_A only (lam = 0 ablation)",
+            "held_out_agreement": final, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began))}

@@ -1,0 +1,155 @@
+"""Training the feature drafter on tiny random models: the unrolled test is the inference drafter's context,
+the loss falls, resume is exact, the saved folder loads for its target only, bad flags fail early."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from sparsedraft.__main__ import main
+from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
+from sparsedraft.budgetdraft.feature_eval import accepted_per_round
+from sparsedraft.budgetdraft.feature_loss import unroll
+from sparsedraft.budgetdraft.feature_train import train_feature_drafter
+from sparsedraft.cache import StaticCache
+from sparsedraft.errors import SparsedraftError
+from sparsedraft.sampling import SamplingConfig
+from sparsedraft.speculative.drafters import DraftContext, TargetState
+from sparsedraft.speculative.feature import FeatureHead, load_feature_head
+from sparsedraft.speculative.feature_drafter import FeatureDrafter
+from sparsedraft.speculative.stats import Stopwatch
+from sparsedraft.tiny import tiny_model
+
+
+class Stop(Exception):
+    pass
+
+
+def config(tmp_path, name, **changes):
+    base = dict(verifier="tiny-llama", seq_len=64, sequences=3, pydoc_sequences=1, sampled_sequences=0,
+                eval_sequences=1, draft_vocab=64, chains=16, continuation=16, budgets=(16, 32), obs_window=8,
+                steps=4, warmup=1, checkpoint_every=2, eval_every=2, final_context=0,
+                teacher_dir=str(tmp_path / "teacher"), out_dir=str(tmp_path / name))
+    return FeatureTrainConfig(**{**base, **changes})
+
+
+def random_head(target, seed=0):
+    """A head whose fc mixes both halves (the init's zero embedding half would hide a wrong token index)."""
+    head = FeatureHead(target.cfg).init_from(target).attach(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.fc.weight.add_(0.05 * torch.randn(head.fc.weight.shape, generator=gen))
+    return head.eval()
+
+
+def test_unrolled_steps_are_what_the_head_computes_over_its_cache():
+    target = tiny_model("llama")
+    head = random_head(target)
+    gen = torch.Generator().manual_seed(1)
+    t, steps = 24, 3
+    features = torch.randn(1, t, target.cfg.hidden_size, generator=gen)
+    tokens = torch.randint(target.cfg.vocab_size, (1, t), generator=gen)
+    starts = torch.tensor([0, 5, 9, 18])
+    with torch.no_grad():
+        outs, _ = unroll(head, features, tokens, starts, steps)
+        for row, s in enumerate(starts.tolist()):
+            cache = StaticCache(head.cfg, t, 1)
+            if s:  # true entries 0 .. s-1, then the round's first step feeds entry s
+                head(features[:, :s], tokens[:, 1:s + 1], torch.arange(s), cache)
+            pred = head(features[:, s:s + 1], tokens[:, s + 1:s + 2], torch.tensor([s]), cache)
+            torch.testing.assert_close(pred[0, 0], outs[0][0, s], rtol=1e-5, atol=1e-5)
+            for j in range(1, steps + 1):  # its own prediction in, the next token of the data
+                pred = head(pred, tokens[:, s + j + 1:s + j + 2], torch.tensor([s + j]), cache)
+                torch.testing.assert_close(pred[0, 0], outs[j][0, row], rtol=1e-5, atol=1e-5)
+
+
+def test_unrolled_steps_draft_what_the_feature_drafter_drafts():
+    target = tiny_model("llama")
+    head = random_head(target, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(target.cfg.vocab_size, (12,), generator=gen)
+    features = torch.randn(12, target.cfg.hidden_size, generator=gen)
+    drafter = FeatureDrafter.create(head, "full", 32)
+    state = TargetState(cache=StaticCache(target.cfg, 32), queries={}, features=features)
+    drafter.start(prompt, state, DraftContext(SamplingConfig(), None, Stopwatch()))
+    with torch.no_grad():
+        drafted = drafter.propose(4).tokens
+    # The round starts at entry 10 (features of tokens 0..10 known, token 11 the verifier's); its drafts are
+    # tokens 12..15, each the input token of the next step.
+    tokens = torch.cat((prompt, drafted, drafted[-1:]))[None]
+    padded = torch.cat((features, torch.zeros(5, features.shape[1])))[None]
+    with torch.no_grad():
+        outs, _ = unroll(head, padded, tokens, torch.tensor([10]), 3)
+    steps = [outs[0][:, 10]] + [o[:, 0] for o in outs[1:]]
+    assert [int(head.logits(s).argmax()) for s in steps] == drafted.tolist()
+
+
+def test_the_loss_falls_and_the_curve_is_written(tmp_path):
+    result = train_feature_drafter(config(tmp_path, "a", steps=12, lr=3e-3, eval_every=4, checkpoint_every=4,
+                                          sequences=1, pydoc_sequences=0),
+                                   tiny_model("llama"), progress=False, provenance=False)
+    losses = [e["loss_a"] for e in result.history if "loss_a" in e]
+    assert sum(losses[-3:]) < sum(losses[:3])
+    curve = (result.run_dir / "curve.csv").read_text().splitlines()
+    assert curve[0].startswith("step,train_tokens_seen,first_draft,first_draft_vocab,step_1")
+    assert len(curve) >= 4
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    target = tiny_model("llama")
+    straight = train_feature_drafter(config(tmp_path, "a"), target, progress=False, provenance=False)
+
+    def crash(entry):
+        if entry["step"] == 3:  # after the step-2 checkpoint and one more step that is lost
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_feature_drafter(config(tmp_path, "b"), target, progress=False, callback=crash, provenance=False)
+    resumed = train_feature_drafter(config(tmp_path, "b"), target, progress=False, provenance=False)
+    assert resumed.step == straight.step == 4
+    for (name, a), (_, b) in zip(straight.head.state_dict().items(), resumed.head.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(SparsedraftError, match="different run"):
+        train_feature_drafter(config(tmp_path, "b", lam=0.0), target, progress=False, provenance=False)
+
+
+def test_the_saved_drafter_loads_for_its_target_only(tmp_path):
+    target = tiny_model("llama")
+    result = train_feature_drafter(config(tmp_path, "a", steps=2, export=str(tmp_path / "export"),
+                                          sampled_sequences=2, sampled_prompt=16, sampled_tokens=32), target,
+                                   progress=False, provenance=False)
+    for folder in (result.run_dir / "drafter", tmp_path / "export"):
+        head = load_feature_head(folder, target)
+        for name, value in result.head.state_dict().items():
+            torch.testing.assert_close(head.state_dict()[name], value.to(torch.bfloat16).float())
+        record = json.loads((folder / "feature_drafter.json").read_text())
+        assert record["recipe"]["steps"] == 2 and record["loss"] == "L_A + lam * L_C"
+        assert record["held_out_agreement"]["first_draft"] >= 0 and record["data"]["pydoc_tokens"] == 64
+        assert record["data"]["sampled_tokens"] == 96
+    with pytest.raises(SparsedraftError, match="trained for target"):
+        load_feature_head(tmp_path / "export", tiny_model("llama", seed=1))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kind", "feature", "--layers", "2"], "has no option.*--layers"),
+    (["--kind", "slice", "--unroll", "2"], "has no option.*--unroll"),
+    (["--kind", "feature", "--unroll", "-1"], "unroll must be >= 0"),
+    (["--kind", "feature", "--budgets", "2048"], "longer than the largest budget"),
+    (["--kind", "feature", "--sequences", "0", "--pydoc-sequences", "0", "--sampled-sequences", "0"],
+     "no training data"),
+])
+def test_bad_flags_fail_before_any_model_loads(flags, message, monkeypatch, capsys):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("sparsedraft.budgetdraft.feature_train.load_model", no_loading)
+    monkeypatch.setattr("sparsedraft.budgetdraft.train.load_model", no_loading)
+    assert main(["train-drafter", *flags]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_greedy_rounds_skip_past_the_bonus_token():
+    hits = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    assert accepted_per_round(hits, 3) == [2, 1, 3]  # rows 0, 3 (0 + 2 + 1), 5 (3 + 1 + 1)
+    assert accepted_per_round(hits, 1) == [1, 0, 1, 1]  # rows 0, 2, 3, 5
