@@ -21,7 +21,11 @@ must exceed 0.01 for the real decoder and fall below 1e-4 for each mutant:
 (a) TriForce's public code rule -- a level-3 rejection redrawn from p instead
 of norm(max(p - q, 0)); (b) level 2 reporting level 1's q for the tokens it
 kept from level 1 instead of its own p; (c) every draft accepted at both
-levels. All four share one seed list and one statistic.
+levels. A fifth run, which must pass, gives level 2 its own quantised
+weights (``draft_weights``: the target's table rounded to 16 levels per row,
+as int4 rounds a group), so level 2's p differs from level 3's by the
+quantisation as well as by the cache. All share one seed list and one
+statistic.
 """
 
 from __future__ import annotations
@@ -47,6 +51,17 @@ SAMPLING = SamplingConfig(temperature=0.6, top_p=0.9)
 TARGET = TableModel(seed=0)
 DRAFT = TableModel(seed=0, noise=1.0)  # correlated with the target: often, not always, accepted
 LEVEL2_NOISE = 0.7  # how far level 2's p is from the full target's
+
+
+def int4_rows(table: torch.Tensor) -> torch.Tensor:
+    """Each row of logits rounded to 16 evenly spaced levels between its min and max (int4's group rounding)."""
+    low, high = table.amin(-1, keepdim=True), table.amax(-1, keepdim=True)
+    scale = (high - low).clamp(min=1e-8) / 15
+    return ((table - low) / scale).round().clamp(0, 15) * scale + low
+
+
+QUANTISED = TableModel(seed=0)  # the target's tables, level 2's copy quantised
+QUANTISED.base = int4_rows(TARGET.base)
 
 
 class Level1KeepsQ(ModelDrafter):
@@ -91,8 +106,9 @@ def hierarchy(variant: str) -> tuple[Drafter, AcceptanceRule]:
     level1 = (Level1KeepsQ if variant == "level1-q-upward" else ModelDrafter)(DRAFT, HistoryCache())
     level2_type = {"level1-q-upward": ReportsLevel1Q, "redraw-from-p": RedrawsFromP}.get(variant, SpeculativeDrafter)
     rule = always_accept if variant == "always-accept" else standard_acceptance
-    level2 = level2_type(RetrievalDrafter(TARGET, FollowingHistoryCache(LEVEL2_NOISE, spec_slots=GAMMA2)), level1,
-                         GAMMA1, rule)
+    level2_model = QUANTISED if variant == "int4-level2" else TARGET
+    level2 = level2_type(RetrievalDrafter(level2_model, FollowingHistoryCache(LEVEL2_NOISE, spec_slots=GAMMA2)),
+                         level1, GAMMA1, rule)
     return level2, level2.level3_acceptance if variant == "redraw-from-p" else rule
 
 
@@ -116,7 +132,7 @@ def combined_pvalue(variant: str) -> float:
     return min(1.0, len(pvalues) * min(pvalues))
 
 
-@pytest.mark.parametrize("variant,lossless", [("triforce", True), ("redraw-from-p", False),
+@pytest.mark.parametrize("variant,lossless", [("triforce", True), ("int4-level2", True), ("redraw-from-p", False),
                                               ("level1-q-upward", False), ("always-accept", False)])
 def test_three_levels_emit_target_law(variant, lossless):
     p = combined_pvalue(variant)

@@ -31,6 +31,7 @@ from .errors import SparsedraftError, require
 from .generate import GenerationResult, generate
 from .model import Transformer
 from .prefilled import PrefilledPrompt
+from .quant import DRAFT_WEIGHTS, check_draft_weights, draft_copy
 from .sampling import SamplingConfig
 from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retrieval, speculative, triforce,
                           truncated_draft)
@@ -114,6 +115,10 @@ def _check_draft_vocab_size(draft_vocab: int, cfg: ModelConfig) -> None:
                                           f"({cfg.vocab_size}); 0 keeps the full head")
 
 
+DRAFT_WEIGHTS_HELP = ("weights of a draft level that is the target itself: same (the target's), bf16, int8 or int4 "
+                      "(group-wise; CPU): a copy made once per model; the verifier keeps its own, so greedy tokens "
+                      "stay the target's")
+
 DRAFT_VOCAB_HELP = ("score only the N tokens most frequent in the essays' train split in the draft's head (q = 0 "
                     "elsewhere: still lossless, a cheaper draft step); 0: the full head")
 
@@ -169,10 +174,15 @@ class SpecOptions(StreamingDraftOptions):
     chunk_scoring: str = field(default="", metadata={
         "help": "how a budget draft cache ranks chunks: attention (observation window, per layer), keys (mean "
                 "key vs last key, per KV head); empty: the drafter's training rule", "choices": CHUNK_SCORINGS})
+    draft_weights: str = field(default="same", metadata={"help": DRAFT_WEIGHTS_HELP, "choices": DRAFT_WEIGHTS})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_draft(self.draft)
+        check_draft_weights(self.draft_weights)
+        require(self.draft_weights == "same" or self.draft == SELF,
+                f"draft_weights {self.draft_weights!r} quantises the target drafting for itself; this draft is "
+                f"{self.draft!r}: add draft self or drop draft_weights")
         _check_draft_vocab(self.draft, self.draft_vocab)
         _check_chunk_scoring(self.chunk_scoring)
         require(not self.chunk_scoring or self.draft_cache == "budget",
@@ -189,6 +199,7 @@ class SpecOptions(StreamingDraftOptions):
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
         _check_draft_source(self.draft, cfg)
         _check_draft_vocab_size(self.draft_vocab, cfg)
+        check_draft_weights(self.draft_weights, cfg)
         if self.draft_cache == "budget":
             _check_budget(self.budget, self.chunk_size, prompt_len)
             _check_trained_budget(self.draft, self.budget)
@@ -238,14 +249,17 @@ class RetrievalCacheOptions:
                                                                "chunk and the latest chunks, StreamingLLM as a view "
                                                                "of the full cache: MagicDec's self-speculation)",
                                                        "choices": GROUP_REDUCTIONS})
+    draft_weights: str = field(default="same", metadata={"help": DRAFT_WEIGHTS_HELP, "choices": DRAFT_WEIGHTS})
 
     def __post_init__(self) -> None:
+        check_draft_weights(self.draft_weights)
         require(self.group_reduce in GROUP_REDUCTIONS,
                 f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
         rebuild_policy(self.rebuild)  # raises on a malformed policy
 
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
         _check_budget(self.budget, self.chunk_size, prompt_len)
+        check_draft_weights(self.draft_weights, cfg)
 
 
 @dataclass(frozen=True)
@@ -347,7 +361,8 @@ def run_ar(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sampling
 
 def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig, opts: SpecOptions,
              eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
-    draft = load_draft(opts.draft, target, opts.draft_vocab)
+    own = draft_copy(target, opts.draft_weights) if opts.draft == SELF else opts.draft  # made once per model
+    draft = load_draft(own, target, opts.draft_vocab)
     if draft is None:
         drafter = NgramDrafter(target.cfg.vocab_size)
     elif isinstance(draft, Drafter):
@@ -380,7 +395,8 @@ def run_budgetdraft(target: Transformer, prompt: torch.Tensor, n: int, sampling:
 def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
                   opts: RetrievalOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     return retrieval(target, prompt, n, sampling, gamma=opts.gamma, budget=opts.budget, chunk_size=opts.chunk_size,
-                     rebuild=opts.rebuild, group_reduce=opts.group_reduce, eos_token_id=eos, prefilled=prefilled)
+                     rebuild=opts.rebuild, group_reduce=opts.group_reduce, eos_token_id=eos, prefilled=prefilled,
+                     draft_weights=opts.draft_weights)
 
 
 def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
@@ -389,7 +405,7 @@ def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sa
     return triforce(target, level1, prompt, n, sampling, gamma1=opts.gamma1, gamma2=opts.gamma2, budget=opts.budget,
                     chunk_size=opts.chunk_size, sink=opts.sink, window=opts.window, rebuild=opts.rebuild,
                     group_reduce=opts.group_reduce, draft_positions=opts.draft_positions, eos_token_id=eos,
-                    prefilled=prefilled)
+                    prefilled=prefilled, draft_weights=opts.draft_weights)
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,30 @@ by the weights cast to the activation dtype and scale the output (the same
 arithmetic, unfused). Whether the fused kernel beats fp32 depends on the CPU
 and the row count (it is tuned for one row); ``bench spec --quant int8``
 measures it against the fp32 baseline in one process.
+
+A draft level that is the target itself (TriForce's level 2, retrieval
+self-speculation, ``spec --draft self``) needs its tokens accepted, not exact,
+so it may read fewer weight bytes than the verifier: :func:`draft_copy` gives
+the target's weights as int8, int4 (group-wise scales and offsets, torch's
+``_weight_int4pack_mm_for_cpu``) or bf16 while the verifier keeps its own, so
+greedy output stays the target's token for token. The copy shares the
+embedding, norms and rotary tables, is made once per model and kept on it,
+and is chosen by one option, ``draft_weights`` (:data:`DRAFT_WEIGHTS`).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import ModelConfig
 from .errors import require
+
+DRAFT_WEIGHTS = ("same", "bf16", "int8", "int4")  # a self-draft's weights; "same": the target's own
+INT4_GROUP = 32  # input features sharing one int4 scale and offset (divides every hidden size we load)
 
 
 class Int8Linear(nn.Module):
@@ -62,3 +77,92 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int8Linear(module))
     return model
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W held as 4-bit codes, one scale and offset per ``group`` inputs of a row.
+
+    Codes are ``round((w - min) / scale)`` in 0..15 with ``scale = (max - min) / 15`` per group (asymmetric:
+    a group's range is used in full). CPU only: torch's ``_weight_int4pack_mm_for_cpu`` multiplies fp32 or
+    bf16 rows by the packed codes, reading half a byte per weight.
+    """
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP):
+        super().__init__()
+        w = linear.weight.detach().float()
+        out_features, in_features = w.shape
+        require(linear.weight.device.type == "cpu", "int4 draft weights run on CPU only (torch's int4 CPU matmul)")
+        require(in_features % group == 0, f"int4 needs in_features ({in_features}) to be a multiple of the group "
+                                          f"size ({group}); use draft_weights int8 for this model")
+        groups = w.reshape(out_features, in_features // group, group)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        codes = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8))
+        # The kernel computes (code - 8) * scale + offset, so the offset is the group's min plus 8 scales.
+        offsets = torch.cat((scale, low + 8 * scale), -1).transpose(0, 1).contiguous()  # [in / group, out, 2]
+        self.register_buffer("scales_and_zeros", offsets.to(linear.weight.dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.group, self.in_features, self.out_features = group, in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros.to(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Bf16Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W stored in bf16 and x rounded to bf16 for the product (half of fp32's
+    bytes), the result in x's dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_bf16 = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        return F.linear(x.to(torch.bfloat16), self.weight_bf16, bias).to(x.dtype)
+
+
+LAYERS = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear}
+
+
+def check_draft_weights(weights: str, cfg: ModelConfig | None = None, device: torch.device | None = None) -> None:
+    """``weights`` names a draft copy this model (its ``cfg``) can have on ``device``; before any heavy work."""
+    require(weights in DRAFT_WEIGHTS, f"draft_weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
+    if weights != "int4":
+        return
+    require(device is None or device.type == "cpu", f"draft_weights int4 runs on CPU only (torch's int4 CPU "
+                                                    f"matmul), not {device}; use int8 or bf16 there")
+    if cfg is not None:
+        inputs = {cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim}
+        require(all(n % INT4_GROUP == 0 for n in inputs),
+                f"draft_weights int4 groups {INT4_GROUP} input features per scale, but this model's linear layers "
+                f"take {sorted(inputs)}; use int8")
+
+
+def draft_copy(model: nn.Module, weights: str) -> nn.Module:
+    """``model`` with every linear layer's weights as ``weights`` (:data:`DRAFT_WEIGHTS`; ``same`` returns the
+    model itself) for drafting; the embedding, norms, rotary tables and the model's own weights are shared,
+    not copied. Made once per model and kept on it, so every call (every decode, every run) reuses it."""
+    check_draft_weights(weights, model.cfg, model.device)
+    if weights == "same":
+        return model
+    kept = model.__dict__.setdefault("_sparsedraft_draft_copies", {})
+    if weights not in kept:
+        require(not model.training, "draft_copy is for inference: call model.eval() first")
+        require(not any(not isinstance(m, nn.Linear) and hasattr(m, "in_features") for m in model.modules()),
+                f"this model's linear layers are already quantised; draft_weights {weights!r} needs float weights")
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        copy_ = copy.deepcopy(model, memo=shared)  # the module tree anew, every tensor shared
+        copy_.__dict__.pop("_sparsedraft_draft_copies", None)
+        for name, module in [(n, m) for n, m in copy_.named_modules() if isinstance(m, nn.Linear)]:
+            parent_name, _, child = name.rpartition(".")
+            setattr(copy_.get_submodule(parent_name) if parent_name else copy_, child, LAYERS[weights](module))
+        kept[weights] = copy_
+    return kept[weights]

@@ -1,0 +1,84 @@
+"""Quantised self-drafts (``draft_weights``): a draft level that is the target itself reads int8, int4 or bf16
+copies of its weights, the verifier keeps its own, so greedy output equals plain greedy token for token.
+Tiny random models in process; bad values fail before any forward."""
+
+import pytest
+import torch
+
+from sparsedraft import decode
+from sparsedraft.__main__ import build_parser
+from sparsedraft.errors import SparsedraftError
+from sparsedraft.methods import method_options
+from sparsedraft.model import Transformer
+from sparsedraft.quant import Int4Linear, draft_copy
+from sparsedraft.tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+NEW = 24
+RUNS = {  # method -> options: every place a draft level is the target itself
+    "retrieval": dict(budget=16, chunk_size=4, gamma=4),
+    "triforce": dict(budget=16, chunk_size=4, gamma1=2, gamma2=4),
+    "spec": dict(draft="self", draft_cache="streaming", sink=4, window=12, gamma=4),
+}
+
+
+def prompt(length: int = 48) -> torch.Tensor:
+    return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def target(request):
+    return tiny_model(request.param, 0, **({"tie_word_embeddings": False} if request.param == "llama" else {}))
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("method", sorted(RUNS))
+def test_greedy_tokens_equal_ar_with_a_quantised_self_draft(target, method, weights):
+    expected = decode(target, prompt(), "ar", NEW).tokens
+    result = decode(target, prompt(), method, NEW, draft_weights=weights, **RUNS[method])
+    assert torch.equal(result.tokens, expected)
+    assert result.levels[-1].drafted > 0  # the quantised level really drafted
+    assert weights in target._sparsedraft_draft_copies
+
+
+def test_the_copy_is_made_once_shares_embedding_and_norms_and_leaves_the_target_alone():
+    target = tiny_model("qwen2", 0)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    copy = draft_copy(target, "int4")
+    assert draft_copy(target, "int4") is copy and draft_copy(target, "same") is target
+    decode(target, prompt(), "retrieval", 8, draft_weights="int4", **RUNS["retrieval"])
+    assert target._sparsedraft_draft_copies["int4"] is copy
+    assert copy.embed_tokens.weight is target.embed_tokens.weight and copy.norm.weight is target.norm.weight
+    assert isinstance(copy.layers[0].mlp.down_proj, Int4Linear) and isinstance(target.lm_head, torch.nn.Linear)
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    logits, exact = copy(prompt(9)), target(prompt(9))
+    assert 0 < (logits - exact).abs().max() < 0.2 * exact.abs().max()  # close, not equal: really quantised
+
+
+@pytest.mark.parametrize("method, options, match", [
+    ("retrieval", dict(draft_weights="int3"), "draft_weights must be one of"),
+    ("triforce", dict(draft_weights="fp8"), "draft_weights must be one of"),
+    ("spec", dict(draft="ngram", draft_weights="int8"), "add draft self"),
+])
+def test_bad_draft_weights_fail_when_the_options_are_built(method, options, match):
+    with pytest.raises(SparsedraftError, match=match):
+        method_options(method, **options)
+
+
+def test_int4_on_a_model_whose_widths_are_not_whole_groups_fails_before_any_forward(monkeypatch):
+    target = tiny_model("qwen2", 0, hidden_size=48, intermediate_size=96)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward ran before the options were checked")
+    monkeypatch.setattr(Transformer, "forward", no_forward)
+    with pytest.raises(SparsedraftError, match="int4 groups 32 input features"):
+        decode(target, prompt(), "retrieval", 8, draft_weights="int4", **RUNS["retrieval"])
+
+
+def test_the_bench_flag_has_the_option_name():
+    args = build_parser().parse_args(["bench", "triforce", "--draft-weights", "int8"])
+    assert args.draft_weights == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "retrieval", "--draft-weights", "int2"])
