@@ -46,6 +46,10 @@ class FeatureTrainConfig:
     eval_sequences: int = field(default=2, metadata={"help": "held-out essay windows for the agreement curve"})
     draft_vocab: int = field(default=8192, metadata={
         "help": "tokens of the training CE's vocabulary (the train split's most frequent; 0 = all)"})
+    embed_gain: float = field(default=1.0, metadata={
+        "help": "fc's embedding half starts as embed_gain * (feature RMS / embedding RMS) * I, so the next token "
+                "is heard as loud as the feature (0: EAGLE's pass-through; SmolLM2's features are ~300x louder "
+                "than its embeddings, more than AdamW can learn up in a few hundred steps)"})
     unroll: int = field(default=3, metadata={"help": "draft steps of the training-time test after the first"})
     chains: int = field(default=256, metadata={"help": "chain starts per window that the unroll follows"})
     step_decay: float = field(default=0.8, metadata={"help": "weight of unroll step j is step_decay ** j"})
@@ -99,6 +103,7 @@ class FeatureTrainConfig:
         require(self.temperature > 0, f"temperature must be > 0 (sampled continuations), got {self.temperature}")
         require(0 <= self.step_decay <= 1, f"step_decay must be in [0, 1], got {self.step_decay}")
         require(self.noise >= 0, f"noise must be >= 0, got {self.noise}")
+        require(self.embed_gain >= 0, f"embed_gain must be >= 0, got {self.embed_gain}")
         require(self.feature_weight >= 0 and self.token_weight >= 0 and self.feature_weight + self.token_weight > 0,
                 f"feature_weight and token_weight must be >= 0, not both 0; got {self.feature_weight}, "
                 f"{self.token_weight}")

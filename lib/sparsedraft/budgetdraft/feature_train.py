@@ -83,6 +83,16 @@ def load_feature_data(cfg: FeatureTrainConfig, target: Transformer, tokenizer: T
     return FeatureData(train, held_out, feature_scale(train), ids)
 
 
+def init_head(head: FeatureHead, target: Transformer, scale: float, gain: float) -> None:
+    """EAGLE's start (:meth:`FeatureHead.init_from`), with fc's embedding half at ``gain`` times the ratio of the
+    features' RMS ``scale`` to the embeddings', so both inputs of the layer start equally loud."""
+    head.init_from(target)
+    hidden = head.cfg.hidden_size
+    ratio = scale / float(target.embed_tokens.weight.float().pow(2).mean().sqrt())
+    with torch.no_grad():
+        head.fc.weight[:, hidden:] = gain * ratio * torch.eye(hidden, dtype=head.dtype, device=head.device)
+
+
 def learning_rate(cfg: FeatureTrainConfig, step: int) -> float:
     """Linear warm-up to ``lr``, then cosine decay to ``lr / 10`` at ``steps``."""
     if step < cfg.warmup:
@@ -234,7 +244,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         optimizer.load_state_dict(optimizer_state(cfg.run_dir / "optimizer.safetensors", saved["param_groups"]))
         step, history = saved["step"], saved["history"]
     else:
-        head.init_from(target)
+        init_head(head, target, data.scale, cfg.embed_gain)
         if cfg.eval_every:
             history.append({"step": 0, "tokens": 0, "eval": held_out_agreement(cfg, head, data)})
     tokens = TokenHead(head, data.ids)
