@@ -59,6 +59,9 @@ class NullBar:
     def set_postfix(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

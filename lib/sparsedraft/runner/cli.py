@@ -22,8 +22,10 @@ import importlib.util
 from pathlib import Path
 
 from ..errors import require
+from ..progress import bars_on
 from .backends import BACKENDS, Settings, log_tail, make_backend
 from .config import NotebookRun, RunConfig, override_item, plan
+from .eta import Overall
 from .execute import RunOutcome, is_finished
 from .index import write_index
 
@@ -92,6 +94,10 @@ def run_notebooks(args: argparse.Namespace) -> int:
     settings = Settings(cfg.timeout_s, cfg.threads, args.log_output, args.progress_bar)
     backend = make_backend(args.backend, settings, args.jobs, args.address, args.ray_cpus)
     failed = ran = 0
+    # what will run, as far as it is known now (a summary notebook reruns only when another ran)
+    unfinished = {r for r in runs if cfg.force or not is_finished(r)}
+    likely = [r for r in runs if r in unfinished or (r.reads_outputs and any(not o.reads_outputs for o in unfinished))]
+    overall = Overall(likely, show=bars_on())
     try:
         for stage in ([r for r in runs if not r.reads_outputs], [r for r in runs if r.reads_outputs]):
             todo: list[NotebookRun] = []
@@ -102,9 +108,11 @@ def run_notebooks(args: argparse.Namespace) -> int:
                     print(f"{run.name}: skipped (finished: {run.output_dir})", flush=True)
             for outcome in backend.run(todo):
                 report(outcome)
+                overall.done(outcome.run)
                 failed += outcome.status == "failed"
                 ran += 1
     finally:
+        overall.close()
         backend.close()
         print(f"index: {write_index(cfg.outputs_dir)}")
     return 1 if failed else 0
