@@ -36,8 +36,8 @@ class FeatureTrainConfig:
                           metadata={"help": "frozen target whose features the head reads"})
     seq_len: int = field(default=2048, metadata={"help": "tokens per essay / pydoc training window"})
     sequences: int = field(default=54, metadata={"help": "essay windows of the train split"})
-    pydoc_sequences: int = field(default=55, metadata={"help": "windows of Python's documentation text"})
-    sampled_sequences: int = field(default=32, metadata={
+    pydoc_sequences: int = field(default=24, metadata={"help": "windows of Python's documentation text"})
+    sampled_sequences: int = field(default=48, metadata={
         "help": "the target's sampled continuations of train-split essay prompts (self-distillation)"})
     sampled_prompt: int = field(default=256, metadata={"help": "prompt tokens of each sampled window"})
     sampled_tokens: int = field(default=768, metadata={"help": "sampled tokens after each prompt"})
@@ -70,7 +70,7 @@ class FeatureTrainConfig:
         "help": "context of the end-of-run check on the target's greedy continuations (0 = skip)"})
     final_tokens: int = field(default=160, metadata={"help": "greedy tokens after each prompt of that check"})
     final_prompts: int = field(default=6, metadata={"help": "held-out prompts of that check"})
-    steps: int = field(default=500, metadata={"help": "optimizer steps (one window each)"})
+    steps: int = field(default=400, metadata={"help": "optimizer steps (one window each)"})
     lr: float = field(default=1e-3, metadata={"help": "peak AdamW learning rate"})
     warmup: int = field(default=20, metadata={"help": "linear warm-up steps, then cosine decay to lr/10"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
