@@ -128,15 +128,24 @@ def _acceptance(row: dict[str, Any]) -> str:
 
 
 # Options a results table shows beside the method's name, when the method has them.
-SHOWN_OPTIONS = ("draft", "draft_cache", "budget", "gamma", "gamma1", "gamma2", "group_reduce")
-USUAL = {"group_reduce": "sum"}  # values not worth a word: retrieval's default chunk rule
+SHOWN_OPTIONS = ("draft", "draft_cache", "budget", "gamma", "gamma1", "gamma2", "group_reduce", "draft_vocab",
+                 "draft_weights")
+USUAL = {"group_reduce": "sum", "draft_vocab": 0, "draft_weights": "same"}  # values not worth a word: defaults
+
+
+def _shown(key: str, options: dict[str, Any]) -> bool:
+    """Whether a table names option ``key``: it is set, not a default, and not spec's budget beside a
+    draft cache that has none."""
+    if key not in options or USUAL.get(key, object()) == options[key]:
+        return False
+    return not (key == "budget" and options.get("draft_cache") in ("full", "streaming"))
 
 
 def _options(row: dict[str, Any], resolved: dict[str, dict[str, Any]]) -> str:
     options = resolved.get(row["method"])
     if options is None:  # a record from before options were resolved: the ones given
         return ", ".join(f"{k} {v}" for k, v in row.get("options", {}).items())
-    return ", ".join(f"{k} {options[k]}" for k in SHOWN_OPTIONS if k in options and USUAL.get(k) != options[k])
+    return ", ".join(f"{k} {options[k]}" for k in SHOWN_OPTIONS if _shown(k, options))
 
 
 def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
