@@ -11,7 +11,7 @@ from sparsedraft.analysis.locality import LocalityConfig, contextual_locality, l
 from sparsedraft.analysis.sparsity import SparsityConfig, attention_recovery, last_positions, layer_recovery
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.prefill_store import PrefillStore
-from sparsedraft.prefilled import prefill_prompt
+from sparsedraft.prefill_store import prefill_prompt
 from sparsedraft.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -22,7 +22,7 @@ from sparsedraft.bench.comparison import CompareConfig, compare
 from sparsedraft.cache import RowCaches, StaticCache
 from sparsedraft.caches import RetrievalCache, StreamingCache
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
+from sparsedraft.prefill import prefill
 from sparsedraft.lockstep import run_rows
 from sparsedraft.model import Capture, Transformer
 from sparsedraft.sampling import SamplingConfig, probabilities

@@ -198,7 +198,7 @@ def test_every_run_starts_from_one_prefill(prompt_forwards):
     result = compare(CompareConfig(**{**TINY, "new_tokens": 6, "warmup": 1, "repeats": 2}, methods=METHODS),
                      target=target)
     # the untimed warm-up chunk, then the one timed prefill (all but the last prompt token in its first
-    # forward, see generate.prefill_spans): not one per run
+    # forward, see prefill.prefill_spans): not one per run
     assert seen == [TINY["context"] - 1] * 2
     assert all(r.tokens_match for r in result.rows)
     assert result.prefill_loaded_from is None and result.prefill_s > 0

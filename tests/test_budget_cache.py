@@ -7,7 +7,7 @@ from sparsedraft.speculative.budget import budget_prefill
 from sparsedraft.caches import BudgetCache
 from sparsedraft.caches.budget import observation_window, top_chunks
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
+from sparsedraft.prefill import prefill
 from sparsedraft.model import Capture
 from sparsedraft.tiny import tiny_model
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
+from sparsedraft.prefill import prefill
 from sparsedraft.model import Capture
 from sparsedraft.tiny import TINY_CONFIGS, tiny_model
 

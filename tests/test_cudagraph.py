@@ -16,7 +16,7 @@ from sparsedraft.caches import RetrievalCache, StreamingCache
 from sparsedraft.caches.static import StaticFullCache, StaticRetrievalCache, StaticStreamingCache
 from sparsedraft.cudagraph import GraphedStep, check_static
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
+from sparsedraft.prefill import prefill
 from sparsedraft.model import Capture
 from sparsedraft.tiny import tiny_model
 

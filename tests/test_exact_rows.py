@@ -4,7 +4,7 @@ step gives it, so speculative greedy output equals plain greedy output in bf16 a
 Two things make this hold on CPU: the C++ kernels (attention and the few-row linear layers) compute each
 row in a fixed order whatever the step's length (:mod:`sparsedraft.kernels`), and the prefill runs the last prompt token as its own one-token
 forward, the token a speculative run feeds again as the first row of its first verification
-(:func:`sparsedraft.generate.prefill_spans`). Without the kernel, torch's SDPA rounds a few-row step and a
+(:func:`sparsedraft.prefill.prefill_spans`). Without the kernel, torch's SDPA rounds a few-row step and a
 one-row step differently for some cache lengths; these tests are then skipped with that reason.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sparsedraft import decode, kernels, load_model
-from sparsedraft.generate import prefill, prefill_spans
+from sparsedraft.prefill import prefill, prefill_spans
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

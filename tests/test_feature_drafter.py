@@ -99,7 +99,7 @@ def test_saved_drafter_decodes_through_decode_and_is_refused_by_another_target(p
 
 def test_a_prefill_without_features_is_refused_before_decoding(pair):
     import dataclasses
-    from sparsedraft.prefilled import prefill_prompt
+    from sparsedraft.prefill_store import prefill_prompt
     target, head, prompt, ar = pair
     shared = prefill_prompt(target, prompt)
     drafter = FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=3)
@@ -126,7 +126,7 @@ def sampling_pair():
 
 
 def exact_law(target, sampling: SamplingConfig) -> tuple[dict, dict]:
-    from sparsedraft.generate import prefill
+    from sparsedraft.prefill import prefill
     from sparsedraft.sampling import probabilities
 
     def law(tokens):
@@ -141,7 +141,7 @@ def exact_law(target, sampling: SamplingConfig) -> tuple[dict, dict]:
 
 
 def pvalues(sampling: SamplingConfig, acceptance, samples: int = SAMPLES) -> tuple[float, float]:
-    from sparsedraft.prefilled import prefill_prompt
+    from sparsedraft.prefill_store import prefill_prompt
     target, head = sampling_pair()
     law_one, law_two = exact_law(target, sampling)
     shared = prefill_prompt(target, PROMPT)

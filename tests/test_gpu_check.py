@@ -19,7 +19,7 @@ from sparsedraft.caches.indexed import (FlashInferIndexedDecode, chunk_tokens, f
 from sparsedraft.caches.static import StaticFullCache
 from sparsedraft.config import ModelConfig
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
+from sparsedraft.prefill import prefill
 from sparsedraft.model import Capture
 from sparsedraft.roofline import GIB, MODELS, kv_bytes, parameter_count
 from sparsedraft.rope import Rotary

@@ -16,7 +16,8 @@ from sparsedraft import decode, load_model
 from sparsedraft.bench import CompareConfig, compare
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.prefill_store import PrefillStore, entry_key
-from sparsedraft.prefilled import model_identity, prefill_prompt
+from sparsedraft.prefilled import model_identity
+from sparsedraft.prefill_store import prefill_prompt
 from sparsedraft.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,8 @@ from sparsedraft.caches import RetrievalCache
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.generate import generate
 from sparsedraft.model import Transformer
-from sparsedraft.prefilled import prefill_prompt, weights_digest
+from sparsedraft.prefill_store import prefill_prompt
+from sparsedraft.prefilled import weights_digest
 from sparsedraft.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,7 @@ from sparsedraft.budgetdraft.evaluate import acceptance_grid
 from sparsedraft.budgetdraft.train import train_drafter
 from sparsedraft.data import ByteTokenizer
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
+from sparsedraft.prefill import prefill
 from sparsedraft.progress import ENV, NullBar, bar, bars_on
 from sparsedraft.tiny import tiny_model
 

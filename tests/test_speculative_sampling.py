@@ -115,7 +115,7 @@ def real_models():
 
 
 def exact_real_law(target, sampling: SamplingConfig) -> tuple[dict, dict]:
-    from sparsedraft.generate import prefill
+    from sparsedraft.prefill import prefill
     def law(tokens: torch.Tensor) -> torch.Tensor:
         return probabilities(prefill(target, target.new_cache(tokens.shape[1]), tokens)[0], sampling)
     first, one, two = law(PROMPT), {}, {}
@@ -130,7 +130,7 @@ def exact_real_law(target, sampling: SamplingConfig) -> tuple[dict, dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("decoder", ["retrieval", "triforce"])
 def test_sampling_matches_target_law_with_real_caches(decoder):
-    from sparsedraft.prefilled import prefill_prompt
+    from sparsedraft.prefill_store import prefill_prompt
     from sparsedraft.speculative import retrieval, triforce
     target, draft = real_models()
     sampling = CONFIGS["t0.6-p0.9"]
@@ -157,7 +157,7 @@ def test_sampling_matches_target_law_with_real_caches(decoder):
 def test_sampling_matches_target_law_with_a_restricted_draft_head():
     """A draft whose head scores 4 of the 8 tokens (q = 0 on the others, which keep target mass): the
     residual distribution must return exactly that mass."""
-    from sparsedraft.prefilled import prefill_prompt
+    from sparsedraft.prefill_store import prefill_prompt
     from sparsedraft.speculative.vocab import restrict_head
     target, draft = real_models()
     draft = restrict_head(draft, torch.tensor([0, 2, 5, 7]))

@@ -17,7 +17,7 @@ import torch
 
 from sparsedraft.data import prompt_tokens
 from sparsedraft.generate import generate
-from sparsedraft.prefilled import prefill_prompt
+from sparsedraft.prefill_store import prefill_prompt
 from sparsedraft.speculative import ModelDrafter, NgramDrafter, retrieval, speculative, triforce, truncated_draft
 
 pytestmark = pytest.mark.slow

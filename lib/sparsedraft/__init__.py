@@ -43,8 +43,8 @@ from .decoding import DecodeResult, decode
 from .errors import SparsedraftError
 from .methods import METHODS
 from .model import Capture, Transformer
-from .prefill_store import PrefillStore
-from .prefilled import PrefilledPrompt, prefill_prompt
+from .prefill_store import PrefillStore, prefill_prompt
+from .prefilled import PrefilledPrompt
 from .weights import load_model, load_tokenizer
 
 __all__ = ["BENCHES", "METHODS", "Capture", "CompareConfig", "DecodeResult", "KVCache", "ModelConfig",

@@ -30,9 +30,10 @@ import torch
 from .cache import StaticCache
 from .data import Tokenizer, model_tokenizer
 from .errors import require
-from .generate import GenerationResult, check_prompt
+from .generate import GenerationResult
 from .methods import METHODS, method_options
 from .model import Transformer
+from .prefill import check_prompt
 from .prefilled import PrefilledPrompt
 from .sampling import SamplingConfig
 from .speculative import LevelStats, SpecStats
@@ -130,7 +131,7 @@ def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_token
 
     ``sampling`` (or the ``temperature``/``top_p``/``seed`` shortcuts) sets
     the law; temperature 0 is greedy, where every method returns exactly the
-    tokens of ``method="ar"``. ``prefilled`` (:func:`~sparsedraft.prefilled.prefill_prompt`
+    tokens of ``method="ar"``. ``prefilled`` (:func:`~sparsedraft.prefill_store.prefill_prompt`
     of this model and prompt) replaces the prompt forward by a copy of it and is
     left as it was. Every option, the prompt and the prefill are checked before
     the first forward.

@@ -48,7 +48,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import require
-from .generate import synchronize
+from .runtime import synchronize
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -26,6 +26,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timed region ends when its work does (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def device_name(device: torch.device) -> str:
     """A device as a report names it: the GPU's model for CUDA, else the device type."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

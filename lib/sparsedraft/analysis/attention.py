@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import torch
 
 from ..errors import require
-from ..generate import PREFILL_CHUNK, prefill
 from ..model import Capture, Transformer
-from ..prefilled import PrefilledPrompt, prefill_prompt
+from ..prefill import PREFILL_CHUNK, prefill
+from ..prefill_store import prefill_prompt
+from ..prefilled import PrefilledPrompt
 
 if TYPE_CHECKING:
     from ..prefill_store import PrefillStore

@@ -23,8 +23,7 @@ import torch
 from ..decoding import decode
 from ..errors import require
 from ..model import Transformer
-from ..prefill_store import PrefillStore
-from ..prefilled import prefill_prompt
+from ..prefill_store import PrefillStore, prefill_prompt
 from ..progress import bar
 
 FULL = "full"  # the draft cache column value of a drafter over its whole context

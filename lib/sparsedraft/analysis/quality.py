@@ -23,8 +23,8 @@ import torch
 
 from ..cache import StaticCache
 from ..errors import require
-from ..generate import PREFILL_CHUNK, prefill_spans
 from ..model import Transformer
+from ..prefill import PREFILL_CHUNK, prefill_spans
 
 
 @torch.inference_mode()

@@ -26,8 +26,8 @@ import pandas as pd
 import torch
 
 from ..errors import require
-from ..generate import PREFILL_CHUNK
 from ..model import Transformer
+from ..prefill import PREFILL_CHUNK
 from . import selection
 from .attention import LayerQK, as_sequence, check_positions, layer_qk
 

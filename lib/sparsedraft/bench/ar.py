@@ -3,7 +3,7 @@
 Both engines run in the same process, on the same weights and the same essay
 prompt, after identical warm-up runs, with the device synchronised around
 each timed region. Both run the same greedy loop: one prefill forward (ours
-in chunks of :data:`~sparsedraft.generate.PREFILL_CHUNK` tokens, transformers in one call with its default
+in chunks of :data:`~sparsedraft.prefill.PREFILL_CHUNK` tokens, transformers in one call with its default
 ``DynamicCache``), the first token from the prefill logits, then one forward
 per further token. Time per token is :attr:`DecodeResult.ms_per_token` for
 both: decode seconds over the ``new_tokens - 1`` tokens the decode phase
@@ -42,17 +42,17 @@ from typing import Any, Sequence
 import torch
 
 from .. import machine, weights
+from ..cache import StaticCache
 from ..data import SPLITS, bench_prompt
 from ..decoding import DecodeResult, decode
 from ..errors import require
-from ..cache import StaticCache
-from ..generate import PREFILL_CHUNK, prefill_spans, synchronize
 from ..model import Transformer
-from ..prefilled import prefill_prompt
-from ..report import format_table
+from ..prefill import PREFILL_CHUNK, prefill_spans
+from ..prefill_store import prefill_prompt
 from ..progress import bar
+from ..report import format_table
 from ..roofline import MIB, bytes_per_token, chunk_cost, kv_bytes, measure_read_bandwidth, step_cost, weight_bytes
-from ..runtime import DTYPES, device_name, resolve_device
+from ..runtime import DTYPES, device_name, resolve_device, synchronize
 from ..tiny import tiny_hf_config
 from .gpu_levels import fill_random
 from .steps import StepRow, step_row, steps_table

@@ -44,15 +44,14 @@ from typing import Any, Mapping
 import torch
 
 from .. import machine, weights
-from ..budgetdraft.checkpoint import check_drafter_for, has_checkpoint
 from ..batching import batch_bytes, check_memory
+from ..budgetdraft.checkpoint import check_drafter_for, has_checkpoint
 from ..data import SPLITS, bench_prompt
 from ..decoding import DecodeResult, decode
 from ..errors import require
 from ..methods import METHODS, load_draft, method_options
 from ..model import Transformer
-from ..prefill_store import GiB, PrefillStore
-from ..prefilled import prefill_prompt
+from ..prefill_store import GiB, PrefillStore, prefill_prompt
 from ..quant import quantize_int8
 from ..report import format_table
 from ..roofline import measure_read_bandwidth, step_cost

@@ -27,7 +27,7 @@ import torch
 from ..caches.budget import BudgetCache
 from ..errors import require
 from ..model import Transformer
-from ..generate import synchronize
+from ..runtime import synchronize
 from ..speculative.feature import Entries, FeatureHead
 from ..speculative.vocab import coverage, frequent_tokens, restrict_head
 from .ar import random_cache

@@ -38,10 +38,11 @@ from ..caches.static import StaticFullCache, StaticRetrievalCache, StaticStreami
 from ..config import ModelConfig
 from ..cudagraph import GraphedStep, next_positions
 from ..errors import require
-from ..generate import prefill, synchronize
 from ..model import Transformer
+from ..prefill import prefill
 from ..roofline import GIB, FIG1_PAPER, bytes_per_token, kv_bytes, measure_read_bandwidth, parameter_count
 from ..rope import Rotary
+from ..runtime import synchronize
 
 FULL, RETRIEVAL, DRAFT = (setting for setting, *_ in FIG1_PAPER)
 PAPER_MS = {setting: ms for setting, _, _, _, ms in FIG1_PAPER}

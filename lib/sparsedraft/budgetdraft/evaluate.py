@@ -27,12 +27,13 @@ from ..analysis.intervals import mean_interval
 from ..caches.budget import BUDGETS, BudgetCache, check_scoring
 from ..data import Tokenizer, prompt_tokens
 from ..errors import require
-from ..generate import generate, prefill
+from ..generate import generate
 from ..model import Transformer
+from ..prefill import prefill
 from ..progress import bar
 from ..speculative import speculative
-from .checkpoint import load_checkpoint, load_drafter
 from ..speculative.budget import BudgetDrafter, fill_prefix
+from .checkpoint import load_checkpoint, load_drafter
 from .init import init_drafter
 
 

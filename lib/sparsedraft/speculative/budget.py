@@ -20,8 +20,8 @@ import torch
 
 from ..caches.budget import BudgetCache, observation_window
 from ..errors import require
-from ..generate import PREFILL_CHUNK, prefill
 from ..model import Capture, Transformer
+from ..prefill import PREFILL_CHUNK, prefill
 from .drafters import DraftContext, ModelDrafter, TargetState
 
 

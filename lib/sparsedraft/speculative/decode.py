@@ -31,9 +31,10 @@ import torch
 
 from ..caches import MovingAverage, RebuildPolicy, RetrievalCache, StreamingCache, rebuild_policy
 from ..errors import require
-from ..generate import check_prompt, prefill, synchronize
 from ..model import Capture, Transformer
+from ..prefill import check_prompt, prefill
 from ..quant import draft_copy
+from ..runtime import synchronize
 from ..sampling import SamplingConfig, probabilities
 from .drafters import DraftContext, Drafter, ModelDrafter, TargetState
 from .hierarchy import RetrievalDrafter, SpeculativeDrafter

@@ -29,8 +29,8 @@ import torch
 from ..cache import KVCache, StaticCache
 from ..caches import RetrievalCache
 from ..errors import require
-from ..generate import prefill
 from ..model import Capture, Transformer
+from ..prefill import prefill
 from ..sampling import SamplingConfig, probabilities
 from .stats import LevelStats, Stopwatch
 

@@ -29,7 +29,7 @@ import torch
 from ..cache import KVCache, StaticCache
 from ..caches import BudgetCache, RetrievalCache, StreamingCache
 from ..errors import require
-from ..generate import prefill
+from ..prefill import prefill
 from ..sampling import probabilities
 from .budget import budget_prefill
 from .drafters import DraftContext, Drafter, Proposal, TargetState, draw, proposal_of
