@@ -38,14 +38,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from .. import machine, weights
 from ..batching import batch_bytes, check_memory
-from ..budgetdraft.checkpoint import check_drafter_for, has_checkpoint
 from ..data import SPLITS, bench_prompt
 from ..decoding import DecodeResult, decode
 from ..errors import require
@@ -57,6 +55,7 @@ from ..report import format_table
 from ..roofline import measure_read_bandwidth, step_cost
 from ..runtime import DTYPES, device_name, peak_rss_gb, resolve_device
 from ..sampling import SamplingConfig
+from ..speculative.loading import check_trained_for, drafter_kind
 from .steps import StepRow, method_steps, step_row, steps_table
 from .timing import interleaved_runs, median_run
 
@@ -309,8 +308,8 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     for opts in options:
         opts.check(model_cfg, config.context)
         draft = getattr(opts, "draft", None)
-        if isinstance(draft, str) and has_checkpoint(Path(draft)):  # its tokenizer too, before the prefill
-            check_drafter_for(Path(draft), model_cfg.vocab_size, config.model)
+        if isinstance(draft, str) and drafter_kind(draft):  # a slice drafter's tokenizer too, before the prefill
+            check_trained_for(draft, model_cfg, config.model)
     store = PrefillStore(config.prefill_cache, int(config.prefill_cache_gib * GiB)) if config.prefill_cache else None
 
     target = target if target is not None else weights.load_model(config.model, DTYPES[config.dtype], device)

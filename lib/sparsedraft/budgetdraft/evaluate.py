@@ -33,7 +33,8 @@ from ..prefill import prefill
 from ..progress import bar
 from ..speculative import speculative
 from ..speculative.budget import BudgetDrafter, fill_prefix
-from .checkpoint import load_checkpoint, load_drafter
+from ..speculative.loading import load_drafter
+from .checkpoint import load_checkpoint
 from .init import init_drafter
 
 

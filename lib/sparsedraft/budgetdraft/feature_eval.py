@@ -189,7 +189,7 @@ def final_report(cfg: "FeatureTrainConfig", slice_run: str | Path = "outputs/bud
     def evaluate(head: FeatureHead) -> dict[str, Any]:
         from ..data import model_tokenizer
         from ..speculative.vocab import frequent_tokens
-        from .checkpoint import has_checkpoint, load_drafter
+        from ..speculative.loading import has_checkpoint, load_drafter
         target = head.target
         tokenizer = model_tokenizer(cfg.verifier)
         data = greedy_continuations(target, cfg.verifier, tokenizer, cfg.teacher_dir, cfg.final_prompts,

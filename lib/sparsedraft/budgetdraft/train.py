@@ -26,8 +26,9 @@ from ..data import Tokenizer, model_tokenizer, prompt_tokens
 from ..errors import require
 from ..model import Transformer
 from ..progress import bar, bars_on
+from ..speculative.loading import has_checkpoint, read_state
 from ..weights import from_state_dict, load_model
-from .checkpoint import has_checkpoint, load_checkpoint, read_state, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import acceptance_rows
 from .init import init_drafter, set_trainable, trainable_parameters

@@ -49,6 +49,9 @@ from .retrieval import mean_key_scores
 
 BUDGETS = (256, 512, 1024, 2048)  # the paper's budget set; any multiple of the chunk size works
 SCORINGS = ("attention", "keys")  # cumulative observation-window attention per layer; mean key vs last key per head
+# This drafting view's version (a fixed chunk selection from the prefix plus the growing tail): a trained drafter
+# records the one it was trained on, and one trained on another is refused (sparsedraft.speculative.loading)
+VIEW_VERSION = 2
 
 
 def check_budget(budget: int, chunk_size: int) -> None:
