@@ -32,11 +32,11 @@ from .bench.tuned import SOURCE, TUNED, tuned_context, tuned_options
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
 from .cliopts import add_config_options, config_from_args, values_from_args
+from .engine.machine import provenance
 from .errors import SparsedraftError
-from .machine import provenance
-from .methods import METHODS
 from .runner.cli import HELP as RUN_HELP
 from .runner.cli import add_run_parser, run_notebooks
+from .speculative.methods import METHODS
 
 
 TUNED_HELP = ("an option not given takes the best setting notebook 05 measured at the largest tuned context at or "

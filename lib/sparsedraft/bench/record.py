@@ -5,8 +5,8 @@ command, commit, date and machine can be rerun and compared. ``bench ...
 --record docs/results/NAME.json`` (:func:`write_record`) writes the bench's
 JSON object together with that provenance: the command line, ``git rev-parse
 HEAD`` plus whether the tree had uncommitted changes, the UTC date
-(:func:`sparsedraft.machine.provenance`), the CPU's best vector path
-(:func:`sparsedraft.machine.machine_record`; the C++ kernels are
+(:func:`sparsedraft.engine.machine.provenance`), the CPU's best vector path
+(:func:`sparsedraft.engine.machine.machine_record`; the C++ kernels are
 built with ``-march=native``, so AVX2 and AVX-512 machines run different code) and the
 read bandwidth measured in the bench's own process, the floor every speed is
 judged against, and the load average, since other jobs on the same cores slow
@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from ..engine.machine import machine_record, provenance
 from ..errors import SparsedraftError, require
-from ..machine import machine_record, provenance
-from ..methods import method_options
+from ..speculative.methods import method_options
 
 RESULTS_DIR = Path("docs/results")
 BEGIN = "<!-- results:begin (python -m sparsedraft results) -->"

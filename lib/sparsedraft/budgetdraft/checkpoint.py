@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import ModelConfig
-from ..model import Transformer
+from ..engine.config import ModelConfig
+from ..engine.model import Transformer
 from ..speculative.loading import DRAFTER_WEIGHTS, STATE, read_state, tokenizer_digest
 from .config import VIEW_VERSION, TrainConfig
 

@@ -25,11 +25,11 @@ import torch
 
 from ..analysis.intervals import mean_interval
 from ..caches.budget import BUDGETS, BudgetCache, check_scoring
-from ..data import Tokenizer, prompt_tokens
+from ..engine.data import Tokenizer, prompt_tokens
+from ..engine.generate import generate
+from ..engine.model import Transformer
+from ..engine.prefill import prefill
 from ..errors import require
-from ..generate import generate
-from ..model import Transformer
-from ..prefill import prefill
 from ..progress import bar
 from ..speculative import speculative
 from ..speculative.budget import BudgetDrafter, fill_prefix

@@ -31,14 +31,14 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file
 
-from .. import machine
-from ..data import Tokenizer, model_tokenizer
+from ..engine import machine
+from ..engine.data import Tokenizer, model_tokenizer
+from ..engine.model import Transformer
+from ..engine.weights import load_model
 from ..errors import require
-from ..model import Transformer
 from ..progress import bar, bars_on
 from ..speculative.feature import FeatureHead, save_feature_head
 from ..speculative.vocab import frequent_tokens
-from ..weights import load_model
 from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
 from .feature_config import FeatureTrainConfig
 from .feature_data import Window, feature_scale, sampled_teacher, teacher_windows, text_windows

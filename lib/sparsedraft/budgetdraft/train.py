@@ -22,12 +22,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..data import Tokenizer, model_tokenizer, prompt_tokens
+from ..engine.data import Tokenizer, model_tokenizer, prompt_tokens
+from ..engine.model import Transformer
+from ..engine.weights import from_state_dict, load_model
 from ..errors import require
-from ..model import Transformer
 from ..progress import bar, bars_on
 from ..speculative.loading import has_checkpoint, read_state
-from ..weights import from_state_dict, load_model
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import acceptance_rows

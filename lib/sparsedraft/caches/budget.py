@@ -25,7 +25,7 @@ with):
   selection last; TriForce, Observation 3).
 
 With ``budget >= prefix_len`` nothing is dropped and the cache behaves exactly
-like a full :class:`~sparsedraft.cache.StaticCache`.
+like a full :class:`~sparsedraft.engine.cache.StaticCache`.
 
 The cache protocol hands a cache keys and values, never attention, so under
 the attention rule the cache cannot score its own chunks: whoever fills it (the drafter's prefill,
@@ -42,8 +42,8 @@ from typing import Mapping
 
 import torch
 
-from ..cache import KVCache, causal_mask
-from ..config import ModelConfig
+from ..engine.cache import KVCache, causal_mask
+from ..engine.config import ModelConfig
 from ..errors import require
 from .retrieval import mean_key_scores
 

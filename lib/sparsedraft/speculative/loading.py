@@ -37,11 +37,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..caches.budget import VIEW_VERSION
-from ..config import ModelConfig
-from ..data import model_tokenizer
+from ..engine.config import ModelConfig
+from ..engine.data import model_tokenizer
+from ..engine.model import Transformer
+from ..engine.weights import from_state_dict
 from ..errors import SparsedraftError, require
-from ..model import Transformer
-from ..weights import from_state_dict
 from .feature import FeatureHead, is_feature_drafter, load_feature_head, read_record
 
 STATE = "state.json"  # a slice drafter's run folder: written last, so its presence means a complete checkpoint

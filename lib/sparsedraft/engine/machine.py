@@ -12,7 +12,7 @@ CPU should be a choice, not a default.
 
 :func:`report` gathers the path: the best instruction set the CPU reports
 (:func:`best_isa` over ``/proc/cpuinfo`` flags), what the kernels were built
-for (:func:`sparsedraft.kernels.path`), torch's own
+for (:func:`sparsedraft.engine.kernels.path`), torch's own
 ``torch.backends.cpu.get_cpu_capability()``, whether bf16 is native, and the
 load average (other jobs on two cores slow a 2-thread step by whole scheduler
 quanta). :func:`peak_gflops` measures the compute peak per dtype, the other
@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .errors import require
+from ..errors import require
 from .roofline import measure_matmul_flops, measure_read_bandwidth
 from .runtime import DTYPES
 
@@ -123,8 +123,8 @@ def warn_slow(machine: MachineReport, dtypes: Iterable[torch.dtype], device: tor
 
 def peak_gflops(dtypes: Iterable[str], device: torch.device | str = "cpu",
                 seconds: float = PEAK_SECONDS) -> dict[str, float]:
-    """GFLOP/s of a dense matmul per dtype name (``fp32``, ``bf16``, ...: :data:`~sparsedraft.runtime.DTYPES`),
-    each measured for about ``seconds`` (:func:`~sparsedraft.roofline.measure_matmul_flops`, sized to the
+    """GFLOP/s of a dense matmul per dtype name (``fp32``, ``bf16``, ...: :data:`~sparsedraft.engine.runtime.DTYPES`),
+    each measured for about ``seconds`` (:func:`~sparsedraft.engine.roofline.measure_matmul_flops`, sized to the
     machine)."""
     for name in dtypes:
         require(name in DTYPES, f"dtype {name!r} is not one of {tuple(DTYPES)}")

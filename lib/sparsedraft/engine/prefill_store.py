@@ -1,10 +1,10 @@
 """An opt-in disk cache of prefilled prompts, so a prompt is prefilled once across processes and notebooks.
 
 Each entry is one safetensors file (tensors and string metadata only: loading
-never unpickles) holding a :class:`~sparsedraft.prefilled.PrefilledPrompt`:
+never unpickles) holding a :class:`~sparsedraft.engine.prefilled.PrefilledPrompt`:
 the prompt, the full cache's committed keys, values and positions, the last
 logits and the last token's queries. It is named by a hash of its key -- the
-model's identity (:func:`~sparsedraft.prefilled.model_identity`: source,
+model's identity (:func:`~sparsedraft.engine.prefilled.model_identity`: source,
 config with RoPE theta, scaling and maximum context, dtype, device type, a
 hash of every weight) and a hash of the prompt's ids -- and stores that key
 with a checksum of its tensors. A read verifies both, so a file from another
@@ -20,7 +20,7 @@ so a crash never leaves a half-written entry under an entry's name. Keep the
 folder under ``data/cache/`` (git-ignored), e.g. ``data/cache/prefill``.
 
 :func:`prefill_prompt` is the one way to a prefill: read from a store when
-one is given and holds it, computed (:func:`~sparsedraft.prefilled.compute_prefill`)
+one is given and holds it, computed (:func:`~sparsedraft.engine.prefilled.compute_prefill`)
 and written to the store otherwise.
 """
 
@@ -39,8 +39,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..errors import SparsedraftError, require
 from .cache import StaticCache
-from .errors import SparsedraftError, require
 from .model import Transformer
 from .prefill import check_prompt
 from .prefilled import PrefilledPrompt, as_prompt, compute_prefill, first_difference, model_identity, tensor_digest

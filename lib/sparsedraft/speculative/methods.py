@@ -3,7 +3,7 @@
 Each method is an options dataclass (validated on construction, with a
 ``check`` for what depends on the model and the prompt length) and a run
 function over the library's decoders (each can start from a shared
-:class:`~sparsedraft.prefilled.PrefilledPrompt`). The CLI and the benchmarks derive their
+:class:`~sparsedraft.engine.prefilled.PrefilledPrompt`). The CLI and the benchmarks derive their
 options from the same dataclasses (:mod:`sparsedraft.cliopts`), so a method
 added to :data:`METHODS` is reachable from Python, the bench and the command
 line at once.
@@ -19,24 +19,25 @@ from typing import Any, Callable
 
 import torch
 
-from .speculative.budget import BudgetDrafter
-from .caches import StreamingCache, rebuild_policy
-from .caches.budget import SCORINGS
-from .caches.retrieval import GROUP_REDUCTIONS
-from .caches.streaming import POSITION_MODES
-from .config import ModelConfig
-from .errors import SparsedraftError, require
-from .generate import GenerationResult, generate
-from .model import Transformer
-from .prefilled import PrefilledPrompt
-from .quant import DRAFT_WEIGHTS, check_draft_weights, draft_copy
-from .sampling import SamplingConfig
-from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retrieval, speculative, triforce,
-                          truncated_draft)
-from .speculative.feature import FeatureHead
-from .speculative.feature_drafter import FeatureDrafter
-from .speculative.loading import SLICE, check_trained_for, drafter_kind, load_trained, read_state, trained_scoring
-from .speculative.vocab import frequent_tokens_of, restrict_head
+from ..caches import StreamingCache, rebuild_policy
+from ..caches.budget import SCORINGS
+from ..caches.retrieval import GROUP_REDUCTIONS
+from ..caches.streaming import POSITION_MODES
+from ..engine.config import ModelConfig
+from ..engine.generate import GenerationResult, generate
+from ..engine.model import Transformer
+from ..engine.prefilled import PrefilledPrompt
+from ..engine.quant import DRAFT_WEIGHTS, check_draft_weights, draft_copy
+from ..engine.sampling import SamplingConfig
+from ..errors import SparsedraftError, require
+from .budget import BudgetDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drivers import SpecResult, retrieval, speculative, triforce
+from .feature import FeatureHead
+from .feature_drafter import FeatureDrafter
+from .loading import SLICE, check_trained_for, drafter_kind, load_trained, read_state, trained_scoring
+from .truncate import truncated_draft
+from .vocab import frequent_tokens_of, restrict_head
 
 DRAFT_CACHES = ("full", "streaming", "budget")
 SELF = "self"  # the target drafts for itself over a sparse cache of its own (prefilled through it)
@@ -85,7 +86,7 @@ def _check_draft_source(draft: Any, cfg: ModelConfig) -> None:
         return
     if not isinstance(draft, str) or draft in ("ngram", SELF) or draft.startswith("truncated:"):
         return
-    from .weights import resolve
+    from ..engine.weights import resolve
     try:
         resolve(draft)
     except SparsedraftError as exc:
@@ -322,7 +323,7 @@ def _load_draft(draft: str | Transformer | Drafter | FeatureHead,
         return truncated_draft(target, int(draft.removeprefix("truncated:")))
     if drafter_kind(draft):
         return load_trained(draft, target)
-    from .weights import load_model
+    from ..engine.weights import load_model
     return load_model(draft, target.dtype, target.device)
 
 

@@ -5,8 +5,8 @@
 last token alone (see :func:`prefill_spans`), and returns the last logits,
 optionally with the last tokens' queries or every token's top-layer features.
 :func:`check_prompt` refuses a prompt that cannot run before any forward.
-Plain decoding (:mod:`sparsedraft.generate`), a shared prefill
-(:mod:`sparsedraft.prefilled`) and every drafter start from here, so this
+Plain decoding (:mod:`sparsedraft.engine.generate`), a shared prefill
+(:mod:`sparsedraft.engine.prefilled`) and every drafter start from here, so this
 module imports neither.
 """
 
@@ -16,10 +16,10 @@ from collections import defaultdict
 
 import torch
 
+from ..errors import require
+from ..progress import bar
 from .cache import KVCache
-from .errors import require
 from .model import Capture, Transformer
-from .progress import bar
 
 PREFILL_CHUNK = 1024  # tokens per prefill forward: bounds activation memory on long prompts, for every prefill
 

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .errors import SparsedraftError, require
+from ..errors import SparsedraftError, require
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

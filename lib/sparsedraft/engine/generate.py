@@ -3,8 +3,8 @@
 :func:`generate` decodes one token per forward and reports prefill and
 decode times separately, with the device synchronised around each timed
 region. Its prompt goes through the one chunked prefill
-(:func:`sparsedraft.prefill.prefill`); given a
-:class:`~sparsedraft.prefilled.PrefilledPrompt`, it copies that prefill's
+(:func:`sparsedraft.engine.prefill.prefill`); given a
+:class:`~sparsedraft.engine.prefilled.PrefilledPrompt`, it copies that prefill's
 cache and logits instead of running the prompt forward (one prefill shared by
 every decoder of a bench).
 """
@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import require
 from .cache import KVCache, StaticCache
-from .errors import require
 from .model import Transformer
 from .prefill import check_prompt, prefill
 from .prefilled import PrefilledPrompt

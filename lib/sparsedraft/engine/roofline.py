@@ -46,8 +46,8 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 import torch
 
+from ..errors import require
 from .config import ModelConfig
-from .errors import require
 from .runtime import synchronize
 
 MIB = 1 << 20

@@ -16,8 +16,8 @@ A prefill remembers the model that made it (:func:`model_identity`: source,
 config with its RoPE settings, dtype, device type and a hash of every weight),
 and :meth:`PrefilledPrompt.check` refuses another model or prompt before a
 decoder does any work. :func:`compute_prefill` makes one; the entry point
-:func:`~sparsedraft.prefill_store.prefill_prompt` lives with the disk cache
-(:mod:`sparsedraft.prefill_store`), which the same identity keys, so this
+:func:`~sparsedraft.engine.prefill_store.prefill_prompt` lives with the disk cache
+(:mod:`sparsedraft.engine.prefill_store`), which the same identity keys, so this
 module never imports the store.
 """
 
@@ -31,8 +31,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from ..errors import require
 from .cache import StaticCache
-from .errors import require
 from .model import Capture, Transformer
 from .prefill import PREFILL_CHUNK, prefill
 from .runtime import synchronize
