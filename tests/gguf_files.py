@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import torch
 
-from sparsedraft.model import Transformer
+from sparsedraft.engine.model import Transformer
 
 _BLOCK = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

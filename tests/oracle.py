@@ -3,9 +3,9 @@
 import torch
 import transformers
 
-from sparsedraft.config import ModelConfig
-from sparsedraft.tiny import tiny_hf_config
-from sparsedraft.weights import from_state_dict
+from sparsedraft.engine.config import ModelConfig
+from sparsedraft.engine.tiny import tiny_hf_config
+from sparsedraft.engine.weights import from_state_dict
 
 
 def hf_pair(family: str, seed: int = 0, **overrides):

@@ -19,8 +19,8 @@ from itertools import product
 
 import torch
 
-from sparsedraft.cache import KVCache
-from sparsedraft.sampling import SamplingConfig, probabilities
+from sparsedraft.engine.cache import KVCache
+from sparsedraft.engine.sampling import SamplingConfig, probabilities
 
 VOCAB = 8
 

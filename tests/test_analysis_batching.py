@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from sparsedraft import kernels
+from sparsedraft.engine import kernels
 from sparsedraft.analysis.batching import (attention_rows, batch_roofline, best_selfspec_ceiling, per_draft_acceptance,
                                            selfspec_ceiling, step_ms)
-from sparsedraft.roofline import kv_bytes, weight_bytes
-from sparsedraft.weights import load_config
+from sparsedraft.engine.roofline import kv_bytes, weight_bytes
+from sparsedraft.engine.weights import load_config
 
 CFG = load_config("tiny-llama")
 

@@ -10,7 +10,7 @@ from sparsedraft.analysis.costmodel import (WALKTHROUGH_COSTS, HierarchySetup, L
                                             predict_ms_per_token, predict_two_level, speedup_vs_context,
                                             walkthrough_collapse_schedule, walkthrough_normal_schedule)
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.roofline import HARDWARE, MODELS
+from sparsedraft.engine.roofline import HARDWARE, MODELS
 
 
 def test_normal_walkthrough_is_100_7_ms_for_8_tokens():

@@ -8,7 +8,7 @@ import torch
 from sparsedraft import SparsedraftError
 from sparsedraft.analysis.decoded_grid import decoded_acceptance_grid, grid_table
 from sparsedraft.speculative.feature import FeatureHead
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,7 +7,7 @@ from sparsedraft.analysis.attention import LayerQK
 from sparsedraft.analysis.locality import LocalityConfig, contextual_locality, layer_locality
 from sparsedraft.analysis.sparsity import SparsityConfig, layer_recovery
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 
 def _random_qk(seed=0, heads=4, kv=2, length=64) -> LayerQK:

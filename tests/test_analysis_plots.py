@@ -20,8 +20,7 @@ from sparsedraft.analysis.costmodel import (HierarchySetup, speedup_vs_context, 
 from sparsedraft.analysis.locality import LocalityConfig, layer_locality  # noqa: E402
 from sparsedraft.analysis.sparsity import SparsityConfig, layer_recovery  # noqa: E402
 from sparsedraft.errors import SparsedraftError  # noqa: E402
-from sparsedraft.roofline import (HARDWARE, MODELS, bytes_per_token_table, crossover_context,  # noqa: E402
-                                  latency_table)
+from sparsedraft.engine.roofline import HARDWARE, MODELS, bytes_per_token_table, crossover_context, latency_table
 
 
 @pytest.fixture(autouse=True)

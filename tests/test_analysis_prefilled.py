@@ -10,9 +10,9 @@ from sparsedraft.analysis.attention import LayerQK, layer_qk
 from sparsedraft.analysis.locality import LocalityConfig, contextual_locality, layer_locality
 from sparsedraft.analysis.sparsity import SparsityConfig, attention_recovery, last_positions, layer_recovery
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.prefill_store import PrefillStore
-from sparsedraft.prefilled import prefill_prompt
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.prefill_store import PrefillStore
+from sparsedraft.engine.prefill_store import prefill_prompt
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,8 +9,8 @@ from sparsedraft.analysis.attention import LayerQK, layer_qk
 from sparsedraft.analysis.sparsity import (SparsityConfig, attention_recovery, last_positions, layer_recovery,
                                            summarize_recovery)
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.model import Capture
-from sparsedraft.tiny import TINY_CONFIGS, tiny_model
+from sparsedraft.engine.model import Capture
+from sparsedraft.engine.tiny import TINY_CONFIGS, tiny_model
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
@@ -146,7 +146,7 @@ def test_bad_inputs_fail_before_work():
 
 @pytest.mark.slow
 def test_smollm2_attention_is_sparse(smollm2):
-    from sparsedraft.data import prompt_tokens
+    from sparsedraft.engine.data import prompt_tokens
     model, tokenizer = smollm2
     prompt = prompt_tokens(tokenizer, 1024)
     config = SparsityConfig(budgets=(0.05, 0.25), methods=("topk", "chunk", "streaming"))

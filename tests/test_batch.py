@@ -17,17 +17,18 @@ import torch
 from table_models import always_accept, chi_square_pvalue
 from test_decode import OPTIONS  # every method, with budgets small enough for short prompts
 
-from sparsedraft import decode, kernels, load_model
+from sparsedraft import decode, load_model
+from sparsedraft.engine import kernels
 from sparsedraft.bench.comparison import CompareConfig, compare
-from sparsedraft.cache import RowCaches, StaticCache
+from sparsedraft.engine.cache import RowCaches, StaticCache
 from sparsedraft.caches import RetrievalCache, StreamingCache
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
-from sparsedraft.lockstep import run_rows
-from sparsedraft.model import Capture, Transformer
-from sparsedraft.sampling import SamplingConfig, probabilities
+from sparsedraft.engine.prefill import prefill
+from sparsedraft.speculative.lockstep import run_rows
+from sparsedraft.engine.model import Capture, Transformer
+from sparsedraft.engine.sampling import SamplingConfig, probabilities
 from sparsedraft.speculative import NgramDrafter, retrieval, standard_acceptance, triforce
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -280,8 +281,8 @@ def test_bench_refuses_a_batch_over_the_memory_cap_before_any_prefill(no_forward
 
 def test_memory_estimate_counts_the_caches_the_methods_build(model):
     """batch_bytes' draft caches are the buffers TriForce allocates: a retrieval view and a draft's streaming cache."""
-    from sparsedraft.batching import batch_bytes
-    from sparsedraft.methods import load_draft, method_options
+    from sparsedraft.speculative.batching import batch_bytes
+    from sparsedraft.speculative.methods import load_draft, method_options
     from sparsedraft.speculative import triforce_drafter
     opts = method_options("triforce", draft="truncated:1", budget=64, gamma1=2, gamma2=4, sink=4, window=32)
     draft = load_draft(opts.draft, model)

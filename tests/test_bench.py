@@ -7,17 +7,17 @@ import time
 import pytest
 import torch
 
-import sparsedraft.weights
+import sparsedraft.engine.weights
 from sparsedraft import METHODS
 from sparsedraft.__main__ import main
 from sparsedraft.bench import BENCHES, ArBenchConfig, CompareConfig, compare, run_ar_bench
 from sparsedraft.bench.ar import matching_prefix, time_verify_random
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.model import Transformer
+from sparsedraft.engine.model import Transformer
 from sparsedraft.report import format_table
-from sparsedraft.roofline import bytes_per_token, kv_bytes, weight_bytes
-from sparsedraft.runtime import resolve_device
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.roofline import bytes_per_token, kv_bytes, weight_bytes
+from sparsedraft.engine.runtime import resolve_device
+from sparsedraft.engine.tiny import tiny_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,7 +44,7 @@ def test_cuda_request_without_cuda():
 
 def test_ar_bench_returns_consistent_rows():
     result = run_ar_bench(ArBenchConfig(**TINY, hf=True, dtypes=("fp32", "bf16"), verify_contexts=(96,)))
-    cfg = sparsedraft.weights.load_config("tiny-llama")
+    cfg = sparsedraft.engine.weights.load_config("tiny-llama")
     assert [run.dtype for run in result.runs] == ["fp32", "bf16"] and result.prompt_len == 48
     for run, size in zip(result.runs, (4, 2)):
         assert [r.engine for r in run.engines] == ["sparsedraft", "transformers"]
@@ -82,7 +82,7 @@ def test_ar_bench_json_leads_with_the_path_bandwidth_and_peaks_and_times_each_st
 
 
 def test_ar_bench_times_fp32_alone_by_default_where_bf16_has_no_hardware_support(monkeypatch):
-    monkeypatch.setattr("sparsedraft.machine.cpu_flags", lambda cpuinfo=None: {"avx2", "fma"})
+    monkeypatch.setattr("sparsedraft.engine.machine.cpu_flags", lambda cpuinfo=None: {"avx2", "fma"})
     result = run_ar_bench(ArBenchConfig(**TINY, hf=False))
     assert [run.dtype for run in result.runs] == ["fp32"] and list(result.peak_gflops) == ["fp32"]
 
@@ -160,7 +160,7 @@ def nothing_heavy(monkeypatch):
     """Loading a model or running a forward fails the test: bad input must be refused before either."""
     def refuse(*args, **kwargs):
         raise AssertionError("a model loaded or a forward ran before the input was checked")
-    monkeypatch.setattr(sparsedraft.weights, "load_model", refuse)
+    monkeypatch.setattr(sparsedraft.engine.weights, "load_model", refuse)
     monkeypatch.setattr(Transformer, "forward", refuse)
 
 

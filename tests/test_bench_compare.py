@@ -8,12 +8,12 @@ import math
 import pytest
 
 import sparsedraft.bench.comparison
-import sparsedraft.methods
+import sparsedraft.speculative.methods
 from sparsedraft.bench import CompareConfig, compare
 from sparsedraft.budgetdraft.config import TrainConfig
 from sparsedraft.budgetdraft.train import train_drafter
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.quant import Int8Linear
+from sparsedraft.engine.quant import Int8Linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,7 +113,7 @@ def run_dir(tmp_path_factory):
 
 def test_a_budgetdraft_run_folder_plugs_in_everywhere_and_loads_once(run_dir, monkeypatch):
     loads = []
-    original = sparsedraft.methods.load_draft
+    original = sparsedraft.speculative.methods.load_draft
     monkeypatch.setattr(sparsedraft.bench.comparison, "load_draft", lambda *a: loads.append(a[0]) or original(*a))
     draft = str(run_dir)
     result = compare(CompareConfig(**TINY, methods=(
@@ -166,7 +166,7 @@ def test_bad_shared_options_fail_on_construction(bad, words):
 
 def test_a_preloaded_target_and_an_offset_prompt():
     from sparsedraft import load_model
-    from sparsedraft.data import bench_prompt
+    from sparsedraft.engine.data import bench_prompt
     config = CompareConfig(**{**TINY, "new_tokens": 4, "offset": 500}, methods=(("retrieval", {"budget": 64}),))
     target = load_model("tiny-llama")
     result = compare(config, target=target)
@@ -180,8 +180,8 @@ def test_a_preloaded_target_and_an_offset_prompt():
 def prompt_forwards(monkeypatch):
     """Lengths of the prompt forwards (into an empty full cache) of the tiny-llama target passed to compare."""
     from sparsedraft import load_model
-    from sparsedraft.cache import StaticCache
-    from sparsedraft.model import Transformer
+    from sparsedraft.engine.cache import StaticCache
+    from sparsedraft.engine.model import Transformer
     target, seen = load_model("tiny-llama"), []
     original = Transformer.forward
 
@@ -198,7 +198,7 @@ def test_every_run_starts_from_one_prefill(prompt_forwards):
     result = compare(CompareConfig(**{**TINY, "new_tokens": 6, "warmup": 1, "repeats": 2}, methods=METHODS),
                      target=target)
     # the untimed warm-up chunk, then the one timed prefill (all but the last prompt token in its first
-    # forward, see generate.prefill_spans): not one per run
+    # forward, see prefill.prefill_spans): not one per run
     assert seen == [TINY["context"] - 1] * 2
     assert all(r.tokens_match for r in result.rows)
     assert result.prefill_loaded_from is None and result.prefill_s > 0

@@ -7,9 +7,9 @@ from sparsedraft.speculative.budget import budget_prefill
 from sparsedraft.caches import BudgetCache
 from sparsedraft.caches.budget import observation_window, top_chunks
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
-from sparsedraft.model import Capture
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.prefill import prefill
+from sparsedraft.engine.model import Capture
+from sparsedraft.engine.tiny import tiny_model
 
 CHUNK, WINDOW = 8, 16
 

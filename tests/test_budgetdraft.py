@@ -11,7 +11,7 @@ from sparsedraft.budgetdraft.loss import budgetdraft_loss
 from sparsedraft.caches import BUDGETS
 from sparsedraft.budgetdraft.teacher import greedy_targets, teacher_targets
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 
 def batch(t=64, seed=0):
@@ -136,7 +136,7 @@ def test_the_chunk_rule_is_a_training_option_that_leaves_existing_run_names_alon
 
 
 def test_a_default_shaped_run_lives_in_the_default_folder_that_budgetdraft_reads():
-    from sparsedraft.methods import BudgetDraftOptions
+    from sparsedraft.speculative.methods import BudgetDraftOptions
     default = TrainConfig()
     assert default.run_dir == Path("outputs/budgetdraft/default") == Path(BudgetDraftOptions().draft)
     # steps, evaluation and checkpointing do not shape the weights: still the default run (extended or resumed)

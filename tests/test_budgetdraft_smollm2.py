@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from sparsedraft.budgetdraft import BudgetDrafter, TrainConfig, train_drafter
-from sparsedraft.data import prompt_tokens
-from sparsedraft.generate import generate
+from sparsedraft.engine.data import prompt_tokens
+from sparsedraft.engine.generate import generate
 from sparsedraft.speculative import speculative, triforce
 
 pytestmark = pytest.mark.slow

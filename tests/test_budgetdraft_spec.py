@@ -11,11 +11,11 @@ from sparsedraft.budgetdraft.evaluate import (acceptance_grid, draft_matches, dr
 from sparsedraft.budgetdraft.config import TrainConfig
 from sparsedraft.budgetdraft.train import train_drafter
 from sparsedraft.caches.budget import BudgetCache
-from sparsedraft.data import ByteTokenizer, prompt_tokens
+from sparsedraft.engine.data import ByteTokenizer, prompt_tokens
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import generate
+from sparsedraft.engine.generate import generate
 from sparsedraft.speculative import ModelDrafter, speculative
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from sparsedraft.__main__ import main
-from sparsedraft.budgetdraft.checkpoint import load_drafter
+from sparsedraft.speculative.loading import load_drafter
 from sparsedraft.budgetdraft.config import TrainConfig
 from sparsedraft.budgetdraft.train import train_drafter
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 
 class Stop(Exception):
@@ -85,8 +85,8 @@ def test_training_lowers_the_loss_and_the_cli_reports_json(tmp_path, capsys):
 
 def test_a_drafter_of_another_verifier_or_a_damaged_one_is_refused_before_any_forward(tmp_path, monkeypatch):
     from sparsedraft import decode
-    from sparsedraft.budgetdraft.checkpoint import check_drafter_for
-    from sparsedraft.model import Transformer
+    from sparsedraft.speculative.loading import check_drafter_for
+    from sparsedraft.engine.model import Transformer
     train_drafter(config(tmp_path, "a", steps=1), tiny_model("llama"), progress=False)
     run = tmp_path / "a"
     state = json.loads((run / "state.json").read_text())

@@ -7,7 +7,7 @@ from sparsedraft.speculative.budget import budget_prefill
 from sparsedraft.budgetdraft.loss import full_forward, sparse_forward
 from sparsedraft.budgetdraft.view import kept_prefix
 from sparsedraft.caches import BudgetCache
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 CHUNK, WINDOW, BUDGET = 8, 16, 24
 PREFIX = 70  # chunks 0..7 compete; the partial chunk 64..69 is always kept
@@ -96,7 +96,7 @@ def test_key_scored_view_equals_key_scored_drafting_with_a_choice_per_kv_head():
 
 def test_a_mask_per_kv_head_reaches_every_query_head_of_its_group():
     """attention() with a [B, KV, T, S] mask: the fused path, the explicit one and a per-head loop agree."""
-    from sparsedraft.model import attention
+    from sparsedraft.engine.model import attention
     g = torch.Generator().manual_seed(5)
     b, kv, group, t, s, d = 2, 2, 3, 4, 10, 8
     q, k, v = (torch.randn(b, kv * group, t, d, generator=g), torch.randn(b, kv, s, d, generator=g),

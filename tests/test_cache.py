@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
-from sparsedraft.model import Capture
-from sparsedraft.tiny import TINY_CONFIGS, tiny_model
+from sparsedraft.engine.prefill import prefill
+from sparsedraft.engine.model import Capture
+from sparsedraft.engine.tiny import TINY_CONFIGS, tiny_model
 
 FAMILIES = sorted(TINY_CONFIGS)
 

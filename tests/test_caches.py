@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from sparsedraft.cache import CAUSAL, KVCache, SequenceView, StaticCache
+from sparsedraft.engine.cache import CAUSAL, KVCache, SequenceView, StaticCache
 from sparsedraft.caches import (AcceptanceBelow, EveryN, MovingAverage, Never, RetrievalCache, StreamingCache,
                                 rebuild_policy)
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.model import Capture
-from sparsedraft.sampling import SamplingConfig, probabilities
+from sparsedraft.engine.model import Capture
+from sparsedraft.engine.sampling import SamplingConfig, probabilities
 from sparsedraft.speculative import DraftContext, RetrievalDrafter, Stopwatch, prefill_target
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 BATCH = 2
@@ -395,7 +395,7 @@ def test_sparse_view_attends_to_the_selected_chunks_and_recent_tokens(family, dt
 def test_a_filled_view_hands_the_causal_marker_and_a_filling_one_a_mask(monkeypatch):
     """A view whose budget is full has the full-cache layout (every slot, then causal speculative tokens): it must
     say CAUSAL so its steps take the decode kernel like the full cache; while slots are empty it needs its mask."""
-    import sparsedraft.model as model_module
+    import sparsedraft.engine.model as model_module
     seen = []
     real = model_module.attention
     monkeypatch.setattr(model_module, "attention", lambda q, k, v, mask, *a, **kw: seen.append(mask) or

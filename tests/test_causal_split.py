@@ -1,5 +1,5 @@
 """A later prefill chunk's :data:`CAUSAL` attention on CPU runs as two flash calls merged by log-sum-exp
-(:func:`sparsedraft.model._causal_split`); it must equal attention with the causal mask written out."""
+(:func:`sparsedraft.engine.model._causal_split`); it must equal attention with the causal mask written out."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsedraft.cache import causal_tail
-from sparsedraft.model import _causal_split, _split_fits
+from sparsedraft.engine.cache import causal_tail
+from sparsedraft.engine.model import _causal_split, _split_fits
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])

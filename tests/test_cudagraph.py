@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-from sparsedraft.cache import StaticCache
+from sparsedraft.engine.cache import StaticCache
 from sparsedraft.caches import RetrievalCache, StreamingCache
 from sparsedraft.caches.static import StaticFullCache, StaticRetrievalCache, StaticStreamingCache
-from sparsedraft.cudagraph import GraphedStep, check_static
+from sparsedraft.engine.cudagraph import GraphedStep, check_static
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
-from sparsedraft.model import Capture
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.prefill import prefill
+from sparsedraft.engine.model import Capture
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BATCH = 2

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from sparsedraft import data
-from sparsedraft.data import (HELDOUT_EVERY, PASSKEY_QUESTION, ByteTokenizer, corpus_text, corpus_tokens,
-                              essays, essays_dir, needle_prompt, prompt_tokens)
+from sparsedraft.engine import data
+from sparsedraft.engine.data import (HELDOUT_EVERY, PASSKEY_QUESTION, ByteTokenizer, corpus_text, corpus_tokens, essays,
+                                     essays_dir, needle_prompt, prompt_tokens)
 from sparsedraft.errors import SparsedraftError
 
 BYTES = ByteTokenizer()
@@ -129,7 +129,7 @@ def test_real_tokenizer_prompts(smollm2):
 def test_smollm2_retrieves_the_pass_key(smollm2):
     # A sanity check that the prompt is answerable, not a capability benchmark: the 135M model
     # finds the key at this length and depth (greedy), but misses it at some others.
-    from sparsedraft.generate import generate
+    from sparsedraft.engine.generate import generate
     model, tokenizer = smollm2
     p = needle_prompt(tokenizer, 1024, 50)
     out = generate(model, p.tokens[None], 8)
@@ -144,7 +144,7 @@ def test_the_unseen_split_is_the_heldout_essays_then_the_train_essays_backwards(
 
 @pytest.mark.parametrize("used", [0, 1, 5_000, 60_000])
 def test_unseen_free_stops_before_any_essay_the_first_train_tokens_touch(used):
-    from sparsedraft.data import unseen_free
+    from sparsedraft.engine.data import unseen_free
     train = corpus_tokens(BYTES, "train")
     free = data.unseen_free(BYTES, used)
     separator = len(BYTES.encode(data.ESSAY_SEPARATOR))

@@ -11,9 +11,9 @@ import torch
 import sparsedraft
 from sparsedraft import METHODS, decode, load_model
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import generate
+from sparsedraft.engine.generate import generate
 from sparsedraft.speculative import TARGET
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,9 +10,9 @@ import torch
 
 from sparsedraft import decode, load_model
 from sparsedraft.bench import CompareConfig, compare
-from sparsedraft.data import corpus_tokens, model_tokenizer
+from sparsedraft.engine.data import corpus_tokens, model_tokenizer
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import generate
+from sparsedraft.engine.generate import generate
 from sparsedraft.speculative import truncated_draft
 from sparsedraft.speculative.vocab import SubsetHead, coverage, frequent_tokens, restrict_head
 

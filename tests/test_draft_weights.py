@@ -8,10 +8,10 @@ import torch
 from sparsedraft import decode
 from sparsedraft.__main__ import build_parser
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.methods import method_options
-from sparsedraft.model import Transformer
-from sparsedraft.quant import Int4Linear, draft_copy
-from sparsedraft.tiny import tiny_model
+from sparsedraft.speculative.methods import method_options
+from sparsedraft.engine.model import Transformer
+from sparsedraft.engine.quant import Int4Linear, draft_copy
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

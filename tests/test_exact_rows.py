@@ -2,9 +2,9 @@
 step gives it, so speculative greedy output equals plain greedy output in bf16 as in fp32.
 
 Two things make this hold on CPU: the C++ kernels (attention and the few-row linear layers) compute each
-row in a fixed order whatever the step's length (:mod:`sparsedraft.kernels`), and the prefill runs the last prompt token as its own one-token
+row in a fixed order whatever the step's length (:mod:`sparsedraft.engine.kernels`), and the prefill runs the last prompt token as its own one-token
 forward, the token a speculative run feeds again as the first row of its first verification
-(:func:`sparsedraft.generate.prefill_spans`). Without the kernel, torch's SDPA rounds a few-row step and a
+(:func:`sparsedraft.engine.prefill.prefill_spans`). Without the kernel, torch's SDPA rounds a few-row step and a
 one-row step differently for some cache lengths; these tests are then skipped with that reason.
 """
 
@@ -14,8 +14,9 @@ import warnings
 import pytest
 import torch
 
-from sparsedraft import decode, kernels, load_model
-from sparsedraft.generate import prefill, prefill_spans
+from sparsedraft import decode, load_model
+from sparsedraft.engine import kernels
+from sparsedraft.engine.prefill import prefill, prefill_spans
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,7 +91,7 @@ def test_without_the_kernel_steps_still_match_in_fp32(monkeypatch):
 @pytest.mark.slow
 def test_smollm2_speculative_greedy_equals_plain_greedy_in_bf16(kernel, smollm2, all_threads):
     """The case that used to break: SmolLM2 in bf16 at 2K, where spec left plain greedy after 20-32 tokens."""
-    from sparsedraft.data import bench_prompt
+    from sparsedraft.engine.data import bench_prompt
     model = load_model("smollm2-135m", dtype=torch.bfloat16)
     prompt = bench_prompt("smollm2-135m", 2000)
     plain = decode(model, prompt, "ar", 48)

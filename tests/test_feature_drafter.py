@@ -17,13 +17,13 @@ import torch
 from table_models import always_accept, chi_square_pvalue
 
 from sparsedraft import SparsedraftError, decode
-from sparsedraft.generate import generate
-from sparsedraft.sampling import SamplingConfig
+from sparsedraft.engine.generate import generate
+from sparsedraft.engine.sampling import SamplingConfig
 from sparsedraft.speculative import speculative, triforce
 from sparsedraft.speculative.feature import FeatureHead, load_feature_head, save_feature_head
 from sparsedraft.speculative.feature_drafter import FeatureDrafter
 from sparsedraft.speculative.verify import standard_acceptance
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,7 +74,7 @@ def test_a_feature_drafter_reads_the_verifiers_features_instead_of_its_own(pair)
     drafter = FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=4)
     out = speculative(target, drafter, prompt, NEW, 4)
     committed = torch.cat((prompt, out.tokens), 1)[:, :drafter.known]
-    from sparsedraft.model import Capture
+    from sparsedraft.engine.model import Capture
     capture = Capture(layers=set(), hidden=True)
     target(committed, capture=capture)
     torch.testing.assert_close(drafter.feats[:drafter.known], capture.features[0], rtol=1e-4, atol=1e-4)
@@ -99,7 +99,7 @@ def test_saved_drafter_decodes_through_decode_and_is_refused_by_another_target(p
 
 def test_a_prefill_without_features_is_refused_before_decoding(pair):
     import dataclasses
-    from sparsedraft.prefilled import prefill_prompt
+    from sparsedraft.engine.prefill_store import prefill_prompt
     target, head, prompt, ar = pair
     shared = prefill_prompt(target, prompt)
     drafter = FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=3)
@@ -126,8 +126,8 @@ def sampling_pair():
 
 
 def exact_law(target, sampling: SamplingConfig) -> tuple[dict, dict]:
-    from sparsedraft.generate import prefill
-    from sparsedraft.sampling import probabilities
+    from sparsedraft.engine.prefill import prefill
+    from sparsedraft.engine.sampling import probabilities
 
     def law(tokens):
         return probabilities(prefill(target, target.new_cache(tokens.shape[1]), tokens)[0], sampling)
@@ -141,7 +141,7 @@ def exact_law(target, sampling: SamplingConfig) -> tuple[dict, dict]:
 
 
 def pvalues(sampling: SamplingConfig, acceptance, samples: int = SAMPLES) -> tuple[float, float]:
-    from sparsedraft.prefilled import prefill_prompt
+    from sparsedraft.engine.prefill_store import prefill_prompt
     target, head = sampling_pair()
     law_one, law_two = exact_law(target, sampling)
     shared = prefill_prompt(target, PROMPT)

@@ -12,14 +12,14 @@ from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
 from sparsedraft.budgetdraft.feature_eval import accepted_per_round
 from sparsedraft.budgetdraft.feature_loss import unroll
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
-from sparsedraft.cache import StaticCache
+from sparsedraft.engine.cache import StaticCache
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.sampling import SamplingConfig
+from sparsedraft.engine.sampling import SamplingConfig
 from sparsedraft.speculative.drafters import DraftContext, TargetState
 from sparsedraft.speculative.feature import FeatureHead, load_feature_head
 from sparsedraft.speculative.feature_drafter import FeatureDrafter
 from sparsedraft.speculative.stats import Stopwatch
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 
 class Stop(Exception):

@@ -12,18 +12,18 @@ from sparsedraft.__main__ import main as cli
 from sparsedraft.bench.gpu import (NO_CUDA, GpuCheckConfig, aligned_slots, datasheet, device_slug, run_gpu_check,
                                    run_gpu_check_command)
 from sparsedraft.bench.gpu_levels import DeviceBackend, fill_random, fit_context, random_model
-from sparsedraft.cache import StaticCache
+from sparsedraft.engine.cache import StaticCache
 from sparsedraft.caches import RetrievalCache
 from sparsedraft.caches.indexed import (FlashInferIndexedDecode, chunk_tokens, flashinfer_available, gather_tokens,
                                         indexed_attention)
 from sparsedraft.caches.static import StaticFullCache
-from sparsedraft.config import ModelConfig
+from sparsedraft.engine.config import ModelConfig
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
-from sparsedraft.model import Capture
-from sparsedraft.roofline import GIB, MODELS, kv_bytes, parameter_count
-from sparsedraft.rope import Rotary
-from sparsedraft.tiny import tiny_hf_config, tiny_model
+from sparsedraft.engine.prefill import prefill
+from sparsedraft.engine.model import Capture
+from sparsedraft.engine.roofline import GIB, MODELS, kv_bytes, parameter_count
+from sparsedraft.engine.rope import Rotary
+from sparsedraft.engine.tiny import tiny_hf_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEEDS_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

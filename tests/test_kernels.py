@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsedraft import kernels
-from sparsedraft.cache import causal_mask
+from sparsedraft.engine import kernels
+from sparsedraft.engine.cache import causal_mask
 from sparsedraft.errors import SparsedraftError
 
 

@@ -6,11 +6,12 @@ import warnings
 import pytest
 import torch
 
-from sparsedraft import machine
+from sparsedraft.engine import machine
 from sparsedraft.bench.steps import step_row
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.roofline import attention_flops, chunk_cost, kv_bytes, measure_matmul_flops, step_cost, weight_bytes
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.roofline import (attention_flops, chunk_cost, kv_bytes, measure_matmul_flops, step_cost,
+                                         weight_bytes)
+from sparsedraft.engine.tiny import tiny_model
 
 AVX2 = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma bmi2\nprocessor\t: 1\nflags\t\t: fpu avx avx2 fma\n"
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from oracle import hf_pair
-from sparsedraft.generate import generate
-from sparsedraft.tiny import TINY_CONFIGS
+from sparsedraft.engine.generate import generate
+from sparsedraft.engine.tiny import TINY_CONFIGS
 
 FAMILIES = sorted(TINY_CONFIGS)
 
@@ -48,8 +48,8 @@ def test_parity_is_sensitive_to_a_wrong_weight():
 def test_smollm2_gguf_matches_transformers_gguf(smollm2):
     from transformers import AutoModelForCausalLM
 
-    from sparsedraft.data import prompt_tokens
-    from sparsedraft.weights import smollm2_path
+    from sparsedraft.engine.data import prompt_tokens
+    from sparsedraft.engine.weights import smollm2_path
 
     model, tok = smollm2
     path = smollm2_path()

@@ -15,9 +15,10 @@ import sparsedraft.bench.comparison
 from sparsedraft import decode, load_model
 from sparsedraft.bench import CompareConfig, compare
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.prefill_store import PrefillStore, entry_key
-from sparsedraft.prefilled import model_identity, prefill_prompt
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.prefill_store import PrefillStore, entry_key
+from sparsedraft.engine.prefilled import model_identity
+from sparsedraft.engine.prefill_store import prefill_prompt
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -139,7 +140,7 @@ def test_a_file_as_the_cache_folder_is_refused_before_the_model_loads(tmp_path, 
 def test_a_prefill_left_on_disk_seeds_runs_like_one_in_memory(tmp_path):
     """on_disk: the cache stays in the verified file and is read when a run starts; a changed file is refused."""
     from sparsedraft import decode
-    from sparsedraft.prefill_store import StoredCache
+    from sparsedraft.engine.prefill_store import StoredCache
     model = tiny_model("llama")
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     store = PrefillStore(tmp_path)

@@ -12,10 +12,11 @@ import torch
 from sparsedraft import METHODS, decode, load_model
 from sparsedraft.caches import RetrievalCache
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import generate
-from sparsedraft.model import Transformer
-from sparsedraft.prefilled import prefill_prompt, weights_digest
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.generate import generate
+from sparsedraft.engine.model import Transformer
+from sparsedraft.engine.prefill_store import prefill_prompt
+from sparsedraft.engine.prefilled import weights_digest
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

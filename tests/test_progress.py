@@ -10,11 +10,11 @@ import torch
 from sparsedraft.budgetdraft.config import TrainConfig
 from sparsedraft.budgetdraft.evaluate import acceptance_grid
 from sparsedraft.budgetdraft.train import train_drafter
-from sparsedraft.data import ByteTokenizer
+from sparsedraft.engine.data import ByteTokenizer
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import prefill
+from sparsedraft.engine.prefill import prefill
 from sparsedraft.progress import ENV, NullBar, bar, bars_on
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

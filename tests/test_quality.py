@@ -7,7 +7,7 @@ import torch
 
 from sparsedraft.analysis.quality import judge_extension, mean_bins, nll_by_bin, position_nll
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -91,7 +91,7 @@ def test_mean_bins_weights_by_tokens():
 @pytest.mark.parametrize("name, factor, limit", [("smollm2-135m-yarn16k", 2.0, 16384),
                                                  ("smollm2-135m-yarn32k", 4.0, 32768)])
 def test_the_extended_stand_ins_declare_their_yarn_factor_and_limit(name, factor, limit):
-    from sparsedraft.weights import load_config, smollm2_path
+    from sparsedraft.engine.weights import load_config, smollm2_path
     try:
         smollm2_path()
     except SparsedraftError as exc:
@@ -103,7 +103,7 @@ def test_the_extended_stand_ins_declare_their_yarn_factor_and_limit(name, factor
 
 
 def test_a_context_past_smollm2_names_the_stand_in_that_reaches_it():
-    from sparsedraft.weights import longer_context_hint
+    from sparsedraft.engine.weights import longer_context_hint
     assert longer_context_hint("smollm2-135m", 9000) == (
         ", or use its YaRN-extended stand-in smollm2-135m-yarn16k (16384) / smollm2-135m-yarn32k (32768)")
     assert longer_context_hint("smollm2-135m", 20000) == ", or use its YaRN-extended stand-in smollm2-135m-yarn32k (32768)"

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.quant import Int8Linear, quantize_int8
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.quant import Int8Linear, quantize_int8
+from sparsedraft.engine.tiny import tiny_model
 
 
 def test_int8_model_tracks_float_model():

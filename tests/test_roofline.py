@@ -5,12 +5,13 @@ import math
 import pytest
 
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.roofline import (HARDWARE, MODELS, Hardware, StepCost, attention_flops, bytes_per_token,
-                                  bytes_per_token_table, crossover_context, fig1_table, flops_per_token_table,
-                                  footprint_bytes, ideal_latency_ms, kv_bytes, latency_table, measure_matmul_flops,
-                                  measure_read_bandwidth, parameter_count, step_cost, this_machine,
-                                  verify_roofline_table, weight_bytes, weight_flops, weight_params_read)
-from sparsedraft.tiny import TINY_CONFIGS, tiny_model
+from sparsedraft.engine.roofline import (HARDWARE, MODELS, Hardware, StepCost, attention_flops, bytes_per_token,
+                                         bytes_per_token_table, crossover_context, fig1_table, flops_per_token_table,
+                                         footprint_bytes, ideal_latency_ms, kv_bytes, latency_table,
+                                         measure_matmul_flops, measure_read_bandwidth, parameter_count, step_cost,
+                                         this_machine, verify_roofline_table, weight_bytes, weight_flops,
+                                         weight_params_read)
+from sparsedraft.engine.tiny import TINY_CONFIGS, tiny_model
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))

@@ -16,12 +16,12 @@ import torch
 
 from sparsedraft.caches import StreamingCache
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import generate
-from sparsedraft.sampling import SamplingConfig
+from sparsedraft.engine.generate import generate
+from sparsedraft.engine.sampling import SamplingConfig
 from sparsedraft.speculative import (DRAFT, REBUILD, RETRIEVAL_LEVEL, SYNC, TARGET, VERIFY, DraftContext, LevelStats,
                                      ModelDrafter, NgramDrafter, Stopwatch, region, retrieval, speculative, triforce,
                                      truncated_draft, verify_greedy, verify_sampled)
-from sparsedraft.tiny import tiny_model
+from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsedraft.data import prompt_tokens
-from sparsedraft.generate import generate
-from sparsedraft.prefilled import prefill_prompt
+from sparsedraft.engine.data import prompt_tokens
+from sparsedraft.engine.generate import generate
+from sparsedraft.engine.prefill_store import prefill_prompt
 from sparsedraft.speculative import ModelDrafter, NgramDrafter, retrieval, speculative, triforce, truncated_draft
 
 pytestmark = pytest.mark.slow

@@ -37,7 +37,7 @@ import torch
 from table_models import (FollowingHistoryCache, HistoryCache, TableModel, always_accept, chi_square_pvalue,
                           pair_laws, table_law)
 
-from sparsedraft.sampling import SamplingConfig
+from sparsedraft.engine.sampling import SamplingConfig
 from sparsedraft.speculative import (AcceptanceRule, Drafter, ModelDrafter, Proposal, RetrievalDrafter,
                                      SpeculativeDrafter, speculative, standard_acceptance)
 

@@ -8,9 +8,9 @@ import torch
 from gguf_files import write_gguf
 from oracle import hf_pair
 from sparsedraft.errors import SparsedraftError
-from sparsedraft.generate import generate
-from sparsedraft.tiny import tiny_hf_config, tiny_model
-from sparsedraft.weights import load_model
+from sparsedraft.engine.generate import generate
+from sparsedraft.engine.tiny import tiny_hf_config, tiny_model
+from sparsedraft.engine.weights import load_model
 
 
 def _same_logits(a, b, ids):

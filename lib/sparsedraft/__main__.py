@@ -27,15 +27,16 @@ from typing import Callable
 from .bench import BENCHES
 from .bench.gpu import HELP as GPU_CHECK_HELP
 from .bench.gpu import add_gpu_check_parser, run_gpu_check_command
-from .bench.record import RESULTS_DIR, provenance, refresh_readme, resolved_options, write_record
+from .bench.record import RESULTS_DIR, refresh_readme, resolved_options, write_record
 from .bench.tuned import SOURCE, TUNED, tuned_context, tuned_options
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
 from .cliopts import add_config_options, config_from_args, values_from_args
+from .engine.machine import provenance
 from .errors import SparsedraftError
-from .methods import METHODS
 from .runner.cli import HELP as RUN_HELP
 from .runner.cli import add_run_parser, run_notebooks
+from .speculative.methods import METHODS
 
 
 TUNED_HELP = ("an option not given takes the best setting notebook 05 measured at the largest tuned context at or "

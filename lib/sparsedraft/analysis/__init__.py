@@ -1,6 +1,6 @@
 """Analyses behind TriForce's three observations and its cost model (issue 5).
 
-- :mod:`sparsedraft.roofline` (re-exported here): bytes and FLOPs per token,
+- :mod:`sparsedraft.engine.roofline` (re-exported here): bytes and FLOPs per token,
   weights vs KV, hardware profiles and ideal latency (Obs. 1, Fig. 1).
 - :mod:`.sparsity`: attention mass a KV budget recovers, per policy (Obs. 2).
 - :mod:`.locality`: how long a selection stays useful (Obs. 3).
@@ -16,9 +16,9 @@
   data frames above.
 """
 
-from ..roofline import (HARDWARE, MODELS, Hardware, bytes_per_token_table, crossover_context, fig1_table,
-                        flops_per_token_table, footprint_bytes, ideal_latency_ms, latency_table,
-                        measure_read_bandwidth, parameter_count, this_machine)
+from ..engine.roofline import (HARDWARE, MODELS, Hardware, bytes_per_token_table, crossover_context, fig1_table,
+                               flops_per_token_table, footprint_bytes, ideal_latency_ms, latency_table,
+                               measure_read_bandwidth, parameter_count, this_machine)
 from .acceptance import BurstinessTest, burstiness_test, fit_alpha
 from .costmodel import (WALKTHROUGH_COSTS, HierarchySetup, LevelCosts, Prediction, Schedule, Step, acceptance_sweep,
                         build_schedule, expected_tokens_per_verify, measured_level_costs, predict_ms_per_token,

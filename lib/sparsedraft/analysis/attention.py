@@ -11,8 +11,8 @@ Only the queries from a first position on are kept: the last ones of the
 prompt for most analyses, a few megabytes, against 0.6 GB at 8K and 2.2 GB
 at 32K for every row of all 30 SmolLM2 layers in fp32 (what H2O's cumulative
 score needs). Given a stored prefill of the prompt
-(:class:`~sparsedraft.prefilled.PrefilledPrompt`, from memory or a
-:class:`~sparsedraft.prefill_store.PrefillStore`), the keys before that
+(:class:`~sparsedraft.engine.prefilled.PrefilledPrompt`, from memory or a
+:class:`~sparsedraft.engine.prefill_store.PrefillStore`), the keys before that
 position come from a copy of its cache, and the model runs again only over
 the last few tokens to record their queries, instead of every notebook
 prefilling the whole prompt again (minutes at 32K on 2 cores).
@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
+from ..engine.model import Capture, Transformer
+from ..engine.prefill import PREFILL_CHUNK, prefill
+from ..engine.prefill_store import prefill_prompt
+from ..engine.prefilled import PrefilledPrompt
 from ..errors import require
-from ..generate import PREFILL_CHUNK, prefill
-from ..model import Capture, Transformer
-from ..prefilled import PrefilledPrompt, prefill_prompt
 
 if TYPE_CHECKING:
-    from ..prefill_store import PrefillStore
+    from ..engine.prefill_store import PrefillStore
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from typing import Iterable
 
 import pandas as pd
 
-from ..config import ModelConfig
+from ..engine.config import ModelConfig
+from ..engine.roofline import attention_flops, kv_bytes, weight_bytes, weight_flops
 from ..errors import require
-from ..roofline import attention_flops, kv_bytes, weight_bytes, weight_flops
 
 
 def attention_rows(cfg: ModelConfig, tokens: int, lanes: int = 1) -> int:

@@ -40,7 +40,7 @@ retrieval makes level 3 accept 2 of 6 and add a correction, 3 tokens;
 cache updates and kernel overheads (``overhead_ms`` adds them per iteration).
 
 Scaling with context (Fig. 5 style, :func:`speedup_vs_context`): each level's
-cost is its ideal read time (:mod:`sparsedraft.roofline`): the tiny draft
+cost is its ideal read time (:mod:`sparsedraft.engine.roofline`): the tiny draft
 reads its weights and a fixed StreamingLLM cache, the retrieval level the
 target's weights and a fixed budget of KV, the full level the target's
 weights and the whole context. Acceptance rates are held fixed across
@@ -56,9 +56,9 @@ from typing import Sequence
 
 import pandas as pd
 
-from ..config import ModelConfig
+from ..engine.config import ModelConfig
+from ..engine.roofline import Hardware, bytes_per_token, ideal_latency_ms
 from ..errors import require
-from ..roofline import Hardware, bytes_per_token, ideal_latency_ms
 from ..speculative.stats import DRAFT, RETRIEVAL_LEVEL, TARGET, VERIFY, region
 
 

@@ -20,12 +20,11 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 import torch
 
-from ..decoding import decode
+from ..engine.model import Transformer
+from ..engine.prefill_store import PrefillStore, prefill_prompt
 from ..errors import require
-from ..model import Transformer
-from ..prefill_store import PrefillStore
-from ..prefilled import prefill_prompt
 from ..progress import bar
+from ..speculative.decoding import decode
 
 FULL = "full"  # the draft cache column value of a drafter over its whole context
 

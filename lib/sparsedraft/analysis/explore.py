@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import pandas as pd
 
+from ..engine.roofline import HARDWARE, MODELS, Hardware
 from ..errors import require
-from ..roofline import HARDWARE, MODELS, Hardware
 from .costmodel import (HierarchySetup, LevelCosts, Prediction, Schedule, acceptance_sweep, build_schedule,
                         expected_tokens_per_verify, level_costs, predict_ms_per_token, speedup_vs_context)
 

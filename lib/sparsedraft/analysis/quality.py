@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 import torch
 
-from ..cache import StaticCache
+from ..engine.cache import StaticCache
+from ..engine.model import Transformer
+from ..engine.prefill import PREFILL_CHUNK, prefill_spans
 from ..errors import require
-from ..generate import PREFILL_CHUNK, prefill_spans
-from ..model import Transformer
 
 
 @torch.inference_mode()

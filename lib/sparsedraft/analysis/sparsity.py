@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Iterable
 import pandas as pd
 import torch
 
+from ..engine.model import Transformer
+from ..engine.prefill import PREFILL_CHUNK
 from ..errors import require
-from ..generate import PREFILL_CHUNK
-from ..model import Transformer
 from . import selection
 from .attention import LayerQK, as_sequence, check_positions, layer_qk
 
 if TYPE_CHECKING:
-    from ..prefill_store import PrefillStore
-    from ..prefilled import PrefilledPrompt
+    from ..engine.prefill_store import PrefillStore
+    from ..engine.prefilled import PrefilledPrompt
 
 METHODS = ("topk", "chunk", "streaming", "h2o")
 

@@ -2,7 +2,7 @@
 
 :data:`BENCHES` is the one registry the CLI (``python -m sparsedraft bench
 <name>``) reads. ``ar`` times plain decoding, our engine against transformers
-(:mod:`.ar`). Every other decoding method in :data:`sparsedraft.methods.METHODS`
+(:mod:`.ar`). Every other decoding method in :data:`sparsedraft.speculative.methods.METHODS`
 is a bench too: :func:`compare` runs it against the AR baseline in one
 process (:mod:`.comparison`), its options and the shared ones (model, context,
 sampling, ...) becoming flags. A method added to ``METHODS`` is therefore a
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from ..methods import METHODS
+from ..speculative.methods import METHODS
 from .ar import ArBenchConfig, ArBenchResult, VerifyRow, run_ar_bench, time_verify_random
 from .comparison import BASELINE, CompareConfig, CompareResult, MethodRow, compare
 

@@ -3,7 +3,7 @@
 Both engines run in the same process, on the same weights and the same essay
 prompt, after identical warm-up runs, with the device synchronised around
 each timed region. Both run the same greedy loop: one prefill forward (ours
-in chunks of :data:`~sparsedraft.generate.PREFILL_CHUNK` tokens, transformers in one call with its default
+in chunks of :data:`~sparsedraft.engine.prefill.PREFILL_CHUNK` tokens, transformers in one call with its default
 ``DynamicCache``), the first token from the prefill logits, then one forward
 per further token. Time per token is :attr:`DecodeResult.ms_per_token` for
 both: decode seconds over the ``new_tokens - 1`` tokens the decode phase
@@ -18,11 +18,11 @@ of a step does not depend on the values, so 32K needs no 6-minute prefill),
 and turns the decode time into achieved bandwidth and a multiple of the read
 floor (bytes per token over the bandwidth measured here with a >= 1 GiB read,
 the only speed reference that carries across machines) with the byte counts
-of :mod:`sparsedraft.roofline`. Each dtype is timed in turn in the same
+of :mod:`sparsedraft.engine.roofline`. Each dtype is timed in turn in the same
 process, with its own model copy: fp32, and bf16 by default only where it
 computes natively (a GPU, or a CPU with AVX512-BF16 or AMX; without them
 torch's bf16 GEMMs run several times slower than fp32, see
-:mod:`sparsedraft.machine`). Every timed step (prefill, decode, decode-1 and
+:mod:`sparsedraft.engine.machine`). Every timed step (prefill, decode, decode-1 and
 verify-k) also gets its roofline time and ratio (:mod:`.steps`), judged by
 the read bandwidth and the per-dtype matmul peak measured in this process,
 and the table and JSON say which path ran (``isa``).
@@ -41,19 +41,20 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import machine, weights
-from ..data import SPLITS, bench_prompt
-from ..decoding import DecodeResult, decode
+from ..engine import machine, weights
+from ..engine.cache import StaticCache
+from ..engine.data import SPLITS, bench_prompt
+from ..engine.model import Transformer
+from ..engine.prefill import PREFILL_CHUNK, prefill_spans
+from ..engine.prefill_store import prefill_prompt
+from ..engine.roofline import (MIB, bytes_per_token, chunk_cost, kv_bytes, measure_read_bandwidth, step_cost,
+                               weight_bytes)
+from ..engine.runtime import DTYPES, device_name, resolve_device, synchronize
+from ..engine.tiny import tiny_hf_config
 from ..errors import require
-from ..cache import StaticCache
-from ..generate import PREFILL_CHUNK, prefill_spans, synchronize
-from ..model import Transformer
-from ..prefilled import prefill_prompt
-from ..report import format_table
 from ..progress import bar
-from ..roofline import MIB, bytes_per_token, chunk_cost, kv_bytes, measure_read_bandwidth, step_cost, weight_bytes
-from ..runtime import DTYPES, device_name, resolve_device
-from ..tiny import tiny_hf_config
+from ..report import format_table
+from ..speculative.decoding import DecodeResult, decode
 from .gpu_levels import fill_random
 from .steps import StepRow, step_row, steps_table
 from .timing import interleaved_runs
@@ -152,7 +153,7 @@ class ArBenchResult:
     runs: list[DtypeRun]
     versions: dict[str, str] = field(default_factory=dict)
     cpu_threads: int = field(default_factory=torch.get_num_threads)  # CPU timings depend on it
-    isa: dict[str, Any] = field(default_factory=dict)  # the path that ran (sparsedraft.machine.MachineReport)
+    isa: dict[str, Any] = field(default_factory=dict)  # the path that ran (sparsedraft.engine.machine.MachineReport)
     peak_gflops: dict[str, float] = field(default_factory=dict)  # dtype -> matmul peak measured here
 
     def to_dict(self) -> dict[str, Any]:

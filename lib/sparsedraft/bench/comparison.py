@@ -1,13 +1,13 @@
 """``compare``: the AR baseline and any registered methods on one prompt, in one process.
 
 Everything a user can get wrong is checked before the model loads: the
-config's values, each method's options (:func:`~sparsedraft.methods.method_options`),
+config's values, each method's options (:func:`~sparsedraft.speculative.methods.method_options`),
 the context against the model's limit (read from its config alone) and each
 method's prompt-dependent checks at that context. Then the target loads once
 (quantised once with ``quant="int8"``, so the baseline and every truncated
 draft share the lever), the essay prompt is built and prefilled once (after an
 untimed forward of its first chunk when ``warmup`` > 0; read from a disk cache
-instead with ``prefill_cache``, :mod:`sparsedraft.prefill_store`), each named
+instead with ``prefill_cache``, :mod:`sparsedraft.engine.prefill_store`), each named
 draft is loaded once, and every method runs through :func:`sparsedraft.decode`
 from a copy of that one prefill -- warm-up runs first, then timed rounds that
 take turns (:func:`~.timing.interleaved_runs`).
@@ -23,7 +23,7 @@ Each row also puts its steps beside their rooflines (:mod:`.steps`: the
 baseline's decode, the full target's verification, a draft step where a
 level is the target itself), judged by the read bandwidth and the matmul peak
 of ``dtype`` measured in this process after the runs; the JSON leads with
-the path that ran (``isa``, :mod:`sparsedraft.machine`), ``read_gb_s`` and
+the path that ran (``isa``, :mod:`sparsedraft.engine.machine`), ``read_gb_s`` and
 ``peak_gflops``.
 
 From Python::
@@ -38,26 +38,24 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from .. import machine, weights
-from ..budgetdraft.checkpoint import check_drafter_for, has_checkpoint
-from ..batching import batch_bytes, check_memory
-from ..data import SPLITS, bench_prompt
-from ..decoding import DecodeResult, decode
+from ..engine import machine, weights
+from ..engine.data import SPLITS, bench_prompt
+from ..engine.model import Transformer
+from ..engine.prefill_store import GiB, PrefillStore, prefill_prompt
+from ..engine.quant import quantize_int8
+from ..engine.roofline import measure_read_bandwidth, step_cost
+from ..engine.runtime import DTYPES, device_name, peak_rss_gb, resolve_device
+from ..engine.sampling import SamplingConfig
 from ..errors import require
-from ..methods import METHODS, load_draft, method_options
-from ..model import Transformer
-from ..prefill_store import GiB, PrefillStore
-from ..prefilled import prefill_prompt
-from ..quant import quantize_int8
 from ..report import format_table
-from ..roofline import measure_read_bandwidth, step_cost
-from ..runtime import DTYPES, device_name, peak_rss_gb, resolve_device
-from ..sampling import SamplingConfig
+from ..speculative.batching import batch_bytes, check_memory
+from ..speculative.decoding import DecodeResult, decode
+from ..speculative.loading import check_trained_for, drafter_kind
+from ..speculative.methods import METHODS, load_draft, method_options
 from .steps import StepRow, method_steps, step_row, steps_table
 from .timing import interleaved_runs, median_run
 
@@ -197,7 +195,7 @@ class CompareResult:
     peak_rss_gb: float = float("nan")  # the process's peak resident memory after the runs (prefills included)
     read_gb_s: float = float("nan")  # this machine's read bandwidth, a 1 GiB read measured in this process after
                                      # the runs (and after peak_rss_gb): the floor the figures are judged against
-    isa: dict[str, Any] = field(default_factory=dict)  # the path that ran (sparsedraft.machine.MachineReport)
+    isa: dict[str, Any] = field(default_factory=dict)  # the path that ran (sparsedraft.engine.machine.MachineReport)
     peak_gflops: dict[str, float] = field(default_factory=dict)  # config.dtype -> matmul peak measured here
 
     def row(self, method: str) -> MethodRow:
@@ -310,8 +308,8 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     for opts in options:
         opts.check(model_cfg, config.context)
         draft = getattr(opts, "draft", None)
-        if isinstance(draft, str) and has_checkpoint(Path(draft)):  # its tokenizer too, before the prefill
-            check_drafter_for(Path(draft), model_cfg.vocab_size, config.model)
+        if isinstance(draft, str) and drafter_kind(draft):  # a slice drafter's tokenizer too, before the prefill
+            check_trained_for(draft, model_cfg, config.model)
     store = PrefillStore(config.prefill_cache, int(config.prefill_cache_gib * GiB)) if config.prefill_cache else None
 
     target = target if target is not None else weights.load_model(config.model, DTYPES[config.dtype], device)

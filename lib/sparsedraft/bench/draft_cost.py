@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from ..caches.budget import BudgetCache
+from ..engine.model import Transformer
+from ..engine.runtime import synchronize
 from ..errors import require
-from ..model import Transformer
-from ..generate import synchronize
 from ..speculative.feature import Entries, FeatureHead
 from ..speculative.vocab import coverage, frequent_tokens, restrict_head
 from .ar import random_cache

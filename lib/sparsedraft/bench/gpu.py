@@ -47,11 +47,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..cliopts import add_config_options, config_from_args
-from ..config import ModelConfig
+from ..engine.config import ModelConfig
+from ..engine.roofline import HARDWARE, MODELS, Hardware, kv_bytes
+from ..engine.runtime import DTYPES, device_name
 from ..errors import SparsedraftError, require
 from ..report import format_table
-from ..roofline import HARDWARE, MODELS, Hardware, kv_bytes
-from ..runtime import DTYPES, device_name
 from .comparison import CompareConfig, compare
 from .gpu_levels import Backend, DeviceBackend, LevelRow, LevelTimer, StepTiming, draft_level, fit_context, \
     target_levels

@@ -1,7 +1,7 @@
 """TriForce Fig. 1's three levels timed on one device with random weights, beside the roofline.
 
 A decode step reads the same bytes whatever the weights hold, so the paper's
-models are built from their configs (:data:`sparsedraft.roofline.MODELS`)
+models are built from their configs (:data:`sparsedraft.engine.roofline.MODELS`)
 with random weights, straight on the device in the check's dtype (built on
 the meta device, then materialised: a 7B model never exists on the CPU).
 The target's full cache is filled with random keys and values through the
@@ -30,18 +30,19 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from ..cache import KVCache
 from ..caches import RetrievalCache, StreamingCache
 from ..caches.indexed import (FlashInferIndexedDecode, chunk_tokens, flashinfer_available, gather_tokens,
                               indexed_attention)
 from ..caches.static import StaticFullCache, StaticRetrievalCache, StaticStreamingCache
-from ..config import ModelConfig
-from ..cudagraph import GraphedStep, next_positions
+from ..engine.cache import KVCache
+from ..engine.config import ModelConfig
+from ..engine.cudagraph import GraphedStep, next_positions
+from ..engine.model import Transformer
+from ..engine.prefill import prefill
+from ..engine.roofline import FIG1_PAPER, GIB, bytes_per_token, kv_bytes, measure_read_bandwidth, parameter_count
+from ..engine.rope import Rotary
+from ..engine.runtime import synchronize
 from ..errors import require
-from ..generate import prefill, synchronize
-from ..model import Transformer
-from ..roofline import GIB, FIG1_PAPER, bytes_per_token, kv_bytes, measure_read_bandwidth, parameter_count
-from ..rope import Rotary
 
 FULL, RETRIEVAL, DRAFT = (setting for setting, *_ in FIG1_PAPER)
 PAPER_MS = {setting: ms for setting, _, _, _, ms in FIG1_PAPER}

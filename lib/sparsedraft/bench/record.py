@@ -4,8 +4,9 @@ A hand-typed number cannot be checked; a number in a file that names its
 command, commit, date and machine can be rerun and compared. ``bench ...
 --record docs/results/NAME.json`` (:func:`write_record`) writes the bench's
 JSON object together with that provenance: the command line, ``git rev-parse
-HEAD`` plus whether the tree had uncommitted changes, the UTC date, the CPU's
-best vector path (:func:`sparsedraft.machine.best_isa`: the C++ kernels are
+HEAD`` plus whether the tree had uncommitted changes, the UTC date
+(:func:`sparsedraft.engine.machine.provenance`), the CPU's best vector path
+(:func:`sparsedraft.engine.machine.machine_record`; the C++ kernels are
 built with ``-march=native``, so AVX2 and AVX-512 machines run different code) and the
 read bandwidth measured in the bench's own process, the floor every speed is
 judged against, and the load average, since other jobs on the same cores slow
@@ -20,22 +21,15 @@ changes. A record missing a field is refused with its path and the field.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
-import os
-import platform
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
+from ..engine.machine import machine_record, provenance
 from ..errors import SparsedraftError, require
-from ..machine import best_isa, cpu_flags
-from ..methods import method_options
-from ..roofline import measure_read_bandwidth
+from ..speculative.methods import method_options
 
 RESULTS_DIR = Path("docs/results")
 BEGIN = "<!-- results:begin (python -m sparsedraft results) -->"
@@ -43,41 +37,6 @@ END = "<!-- results:end -->"
 # Top-level fields a record must hold; ``machine`` and ``result`` must hold theirs.
 REQUIRED = ("command", "commit", "dirty", "date", "machine", "result")
 MACHINE_REQUIRED = ("isa", "read_gb_s")
-
-
-def _git(root: Path, *args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def provenance(root: Path | None = None) -> dict[str, Any]:
-    """Commit, dirty flag and UTC date of a measurement made from the checkout at ``root`` (this file's)."""
-    root = root or Path(__file__).resolve().parent
-    status = _git(root, "status", "--porcelain", "--untracked-files=no")
-    return {"commit": _git(root, "rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-
-
-def machine(read_gb_s: float | None = None) -> dict[str, Any]:
-    """The machine a figure was measured on; the read bandwidth is measured here when not given."""
-    if read_gb_s is None or read_gb_s != read_gb_s:  # absent or NaN
-        read_gb_s = measure_read_bandwidth("cpu") / 1e9
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")),
-               platform.processor())
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other jobs on the cores slow every figure
-    return {"isa": best_isa(cpu_flags()), "cpu": cpu, "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "read_gb_s": round(read_gb_s, 2),
-            "load_1min": None if load is None else round(load, 2)}
-
-
-def _cpuinfo_lines() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
 
 
 def write_record(path: str | Path, result: dict[str, Any], read_gb_s: float | None = None,
@@ -89,7 +48,8 @@ def write_record(path: str | Path, result: dict[str, Any], read_gb_s: float | No
     path = Path(path)
     require(path.suffix == ".json", f"a record is a .json file, got {str(path)!r}")
     command = command or "python -m sparsedraft " + shlex.join(sys.argv[1:])
-    record = {"command": command, **(started or provenance()), "machine": machine(read_gb_s), "result": result}
+    record = {"command": command, **(started or provenance()), "machine": machine_record(read_gb_s),
+              "result": result}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     return path

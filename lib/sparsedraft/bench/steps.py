@@ -2,10 +2,10 @@
 what this machine could do.
 
 A step's roofline time is max(bytes / bandwidth, FLOPs / peak) for each of its
-parts (weight matmuls, attention), added (:meth:`~sparsedraft.roofline.StepCost.ms`),
-with the bytes and FLOPs of :mod:`sparsedraft.roofline` and the read
+parts (weight matmuls, attention), added (:meth:`~sparsedraft.engine.roofline.StepCost.ms`),
+with the bytes and FLOPs of :mod:`sparsedraft.engine.roofline` and the read
 bandwidth and matmul peak measured in the bench's own process
-(:func:`sparsedraft.machine.peak_gflops`). ``over_roofline`` = ms /
+(:func:`sparsedraft.engine.machine.peak_gflops`). ``over_roofline`` = ms /
 roofline_ms is then comparable across machines and dtypes where raw
 milliseconds are not: 1.0 is the machine's limit, and a step far above it
 points at a kernel, a layout or a busy machine rather than at the method.
@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..config import ModelConfig
+from ..engine.config import ModelConfig
+from ..engine.roofline import StepCost, step_cost
+from ..engine.runtime import DTYPES
 from ..errors import require
 from ..report import format_table
-from ..roofline import StepCost, step_cost
-from ..runtime import DTYPES
 from ..speculative.stats import DRAFT, RETRIEVAL_LEVEL, TARGET, VERIFY, region
 
 

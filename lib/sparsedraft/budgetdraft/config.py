@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..caches.budget import BUDGETS, SCORINGS, check_budget, check_scoring
+from ..caches.budget import BUDGETS, SCORINGS, VIEW_VERSION, check_budget, check_scoring
 from ..errors import require
 
-VIEW_VERSION = 2  # the sparse training view; checkpoints of another version are refused (see checkpoint.py)
 DEFAULT_FOLDER = "default"  # outputs/budgetdraft/default: the default run, which `budgetdraft` drafts with
-INITS = ("verifier", "scratch")  # anything else is a model spec for sparsedraft.weights.load_model
+INITS = ("verifier", "scratch")  # anything else is a model spec for sparsedraft.engine.weights.load_model
 DEVICES = ("cpu", "cuda")
 _NOT_SHAPING = ("steps", "eval_every", "eval_sequences", "checkpoint_every", "final_context", "final_tokens",
                 "teacher", "teacher_dir", "out_dir", "device")

@@ -25,14 +25,16 @@ import torch
 
 from ..analysis.intervals import mean_interval
 from ..caches.budget import BUDGETS, BudgetCache, check_scoring
-from ..data import Tokenizer, prompt_tokens
+from ..engine.data import Tokenizer, prompt_tokens
+from ..engine.generate import generate
+from ..engine.model import Transformer
+from ..engine.prefill import prefill
 from ..errors import require
-from ..generate import generate, prefill
-from ..model import Transformer
 from ..progress import bar
 from ..speculative import speculative
-from .checkpoint import load_checkpoint, load_drafter
 from ..speculative.budget import BudgetDrafter, fill_prefix
+from ..speculative.loading import load_drafter
+from .checkpoint import load_checkpoint
 from .init import init_drafter
 
 

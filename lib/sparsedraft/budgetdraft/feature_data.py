@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..data import Tokenizer, corpus_tokens
+from ..engine.cache import StaticCache
+from ..engine.data import Tokenizer, corpus_tokens
+from ..engine.model import Capture, Transformer
+from ..engine.prefill import prefill
 from ..errors import require
-from ..cache import StaticCache
-from ..generate import prefill
-from ..model import Capture, Transformer
 from ..progress import bar
 from .teacher import corpus_windows
 

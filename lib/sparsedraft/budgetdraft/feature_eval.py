@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from safetensors.torch import load_file
 
-from ..data import Tokenizer, prompt_tokens
+from ..engine.data import Tokenizer, prompt_tokens
+from ..engine.model import Capture, Transformer
 from ..errors import require
-from ..model import Capture, Transformer
 from ..speculative.feature import FeatureHead
 from .feature_data import FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, save_tensors
 from .feature_loss import TokenHead, unroll
@@ -187,9 +187,9 @@ def final_report(cfg: "FeatureTrainConfig", slice_run: str | Path = "outputs/bud
     greedy continuations at ``cfg.final_context``, full and draft-vocabulary heads, and (b) for the slice
     drafter in ``slice_run`` when that folder holds one (the record says when it does not)."""
     def evaluate(head: FeatureHead) -> dict[str, Any]:
-        from ..data import model_tokenizer
+        from ..engine.data import model_tokenizer
         from ..speculative.vocab import frequent_tokens
-        from .checkpoint import has_checkpoint, load_drafter
+        from ..speculative.loading import has_checkpoint, load_drafter
         target = head.target
         tokenizer = model_tokenizer(cfg.verifier)
         data = greedy_continuations(target, cfg.verifier, tokenizer, cfg.teacher_dir, cfg.final_prompts,

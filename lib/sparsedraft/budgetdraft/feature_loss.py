@@ -20,7 +20,7 @@ prediction of that chain) and lets it attend to the step-0 keys at positions
 softmax. Only the sampled chains run past step 0, so the unroll costs
 ``chains / T`` of a full forward per step; gradients flow through the chain.
 The test ``tests/test_feature_train.py`` checks step ``j`` against the head
-drafting over a :class:`~sparsedraft.cache.StaticCache`.
+drafting over a :class:`~sparsedraft.engine.cache.StaticCache`.
 
 **Budget variant.** L_C drafts the window's last ``continuation`` entries
 (step 0, true features) through BudgetDraft's :class:`~.view.BudgetView`
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..cache import CAUSAL, KVCache
+from ..engine.cache import CAUSAL, KVCache
+from ..engine.model import Capture, project
 from ..errors import require
-from ..model import Capture, project
 from ..speculative.feature import FeatureHead
 from ..speculative.vocab import SubsetHead
 from .view import BudgetView, kept_prefix

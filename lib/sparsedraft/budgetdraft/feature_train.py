@@ -31,13 +31,14 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file
 
-from ..data import Tokenizer, model_tokenizer
+from ..engine import machine
+from ..engine.data import Tokenizer, model_tokenizer
+from ..engine.model import Transformer
+from ..engine.weights import load_model
 from ..errors import require
-from ..model import Transformer
 from ..progress import bar, bars_on
 from ..speculative.feature import FeatureHead, save_feature_head
 from ..speculative.vocab import frequent_tokens
-from ..weights import load_model
 from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
 from .feature_config import FeatureTrainConfig
 from .feature_data import Window, feature_scale, sampled_teacher, teacher_windows, text_windows
@@ -288,10 +289,9 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
 def run_record(cfg: FeatureTrainConfig, data: FeatureData, history: list[dict[str, Any]], began: float,
                data_seconds: float, final: dict[str, float], provenance: bool = True) -> dict[str, Any]:
     """What the drafter folder says about how it was made (the target's fingerprint is added on save)."""
-    from ..bench import record
     trained = [e for e in history if "seconds" in e]
     seconds = sum(e["seconds"] for e in trained)
-    where = {**record.provenance(), "machine": record.machine()} if provenance else {}
+    where = {**machine.provenance(), "machine": machine.machine_record()} if provenance else {}
     return {"recipe": cfg.to_dict(), "command": "python -m sparsedraft " + shlex.join(sys.argv[1:]),
             **where, "data": data.sizes(), "feature_scale": data.scale,
             "data_seconds": round(data_seconds, 1), "train_seconds": round(seconds, 1), "steps": cfg.steps,

@@ -12,7 +12,7 @@ verifier's weights, so the layer-truncated init *copies* what
   embedding and head are still the verifier's: 28M embedding parameters
   cannot be learned from scratch on a CPU budget, and a shared output space
   is what agreement needs.
-- any other string: a model spec for :func:`~sparsedraft.weights.load_model`
+- any other string: a model spec for :func:`~sparsedraft.engine.weights.load_model`
   (Hugging Face folder or id, GGUF), trained as a whole; it must use the
   verifier's tokenizer, which we check through the vocabulary size.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.model import Transformer
+from ..engine.weights import from_state_dict, load_model
 from ..errors import require
-from ..model import Transformer
-from ..weights import from_state_dict, load_model
 from .config import TrainConfig
 
 

@@ -29,8 +29,8 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.model import Capture, Transformer
 from ..errors import require
-from ..model import Capture, Transformer
 from .view import BudgetView, RecordingView, kept_prefix
 
 

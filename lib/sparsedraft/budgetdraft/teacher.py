@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..data import Tokenizer, corpus_tokens, prompt_tokens
+from ..engine.data import Tokenizer, corpus_tokens, prompt_tokens
+from ..engine.model import Transformer
 from ..errors import require
-from ..model import Transformer
 from ..progress import bar
 
 TEACHER_VERSION = 1  # bump when the meaning of a cached file changes

@@ -22,12 +22,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..data import Tokenizer, model_tokenizer, prompt_tokens
+from ..engine.data import Tokenizer, model_tokenizer, prompt_tokens
+from ..engine.model import Transformer
+from ..engine.weights import from_state_dict, load_model
 from ..errors import require
-from ..model import Transformer
 from ..progress import bar, bars_on
-from ..weights import from_state_dict, load_model
-from .checkpoint import has_checkpoint, load_checkpoint, read_state, save_checkpoint
+from ..speculative.loading import has_checkpoint, read_state
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import acceptance_rows
 from .init import init_drafter, set_trainable, trainable_parameters

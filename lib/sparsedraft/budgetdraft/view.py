@@ -26,10 +26,10 @@ from typing import Mapping
 
 import torch
 
-from ..cache import KVCache, SequenceView, causal_mask
 from ..caches.budget import check_budget, check_scoring, choose_chunks, choose_chunks_by_keys, observation_window
+from ..engine.cache import KVCache, SequenceView, causal_mask
+from ..engine.model import Transformer, attention
 from ..errors import require
-from ..model import Transformer, attention
 
 
 @torch.no_grad()

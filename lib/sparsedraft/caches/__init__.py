@@ -1,4 +1,4 @@
-"""KV-cache policies beyond the full cache: one small class per file, one protocol (see sparsedraft.cache).
+"""KV-cache policies beyond the full cache: one small class per file, one protocol (see sparsedraft.engine.cache).
 
 - :class:`StreamingCache`: StreamingLLM sinks + recent window (TriForce's level-1 draft cache).
 - :class:`RetrievalCache`: TriForce's chunk-retrieval view of a full cache (level 2).

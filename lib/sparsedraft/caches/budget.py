@@ -25,7 +25,7 @@ with):
   selection last; TriForce, Observation 3).
 
 With ``budget >= prefix_len`` nothing is dropped and the cache behaves exactly
-like a full :class:`~sparsedraft.cache.StaticCache`.
+like a full :class:`~sparsedraft.engine.cache.StaticCache`.
 
 The cache protocol hands a cache keys and values, never attention, so under
 the attention rule the cache cannot score its own chunks: whoever fills it (the drafter's prefill,
@@ -42,13 +42,16 @@ from typing import Mapping
 
 import torch
 
-from ..cache import KVCache, causal_mask
-from ..config import ModelConfig
+from ..engine.cache import KVCache, causal_mask
+from ..engine.config import ModelConfig
 from ..errors import require
 from .retrieval import mean_key_scores
 
 BUDGETS = (256, 512, 1024, 2048)  # the paper's budget set; any multiple of the chunk size works
 SCORINGS = ("attention", "keys")  # cumulative observation-window attention per layer; mean key vs last key per head
+# This drafting view's version (a fixed chunk selection from the prefix plus the growing tail): a trained drafter
+# records the one it was trained on, and one trained on another is refused (sparsedraft.speculative.loading)
+VIEW_VERSION = 2
 
 
 def check_budget(budget: int, chunk_size: int) -> None:

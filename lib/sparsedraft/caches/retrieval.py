@@ -34,7 +34,7 @@ Lifecycle, driven by the speculative decoder:
    committed token's queries;
 2. level-2 forwards write new tokens into the ``spec_slots`` after the budget;
    the mask shows every filled budget slot plus causal among those tokens
-   (once every slot is filled that is the :data:`~sparsedraft.cache.CAUSAL`
+   (once every slot is filled that is the :data:`~sparsedraft.engine.cache.CAUSAL`
    layout, handed as the marker so the step takes the decode kernel);
    ``rollback(n)`` trims them;
 3. after the level-3 (full cache) verification, ``sync(full)`` copies the tokens
@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import CAUSAL, Causal, KVCache, StaticCache, in_order
-from ..config import ModelConfig
+from ..engine.cache import CAUSAL, Causal, KVCache, StaticCache, in_order
+from ..engine.config import ModelConfig
 from ..errors import require
 
 GROUP_REDUCTIONS = ("sum", "max", "recent")

@@ -1,10 +1,10 @@
 """Static-shape caches: every step of a given token count attends to buffers of the same shape.
 
-Why: a CUDA graph (:mod:`sparsedraft.cudagraph`) replays the kernels it
+Why: a CUDA graph (:mod:`sparsedraft.engine.cudagraph`) replays the kernels it
 recorded, with the shapes and the Python values of the capture, so a step
 may read only device tensors whose *contents* change. The library's caches
 hand attention a slice that grows with the length
-(:class:`~sparsedraft.cache.StaticCache`) or with the speculative tokens
+(:class:`~sparsedraft.engine.cache.StaticCache`) or with the speculative tokens
 (:class:`~sparsedraft.caches.RetrievalCache`), or compact their buffer
 (:class:`~sparsedraft.caches.StreamingCache`). The caches here attend to the
 whole buffer every step and let a positional mask hide what is not there:
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache, StaticCache, causal_mask
-from ..config import ModelConfig
+from ..engine.cache import KVCache, StaticCache, causal_mask
+from ..engine.config import ModelConfig
+from ..engine.rope import Angles, Rotary
 from ..errors import require
-from ..rope import Angles, Rotary
 from .retrieval import RetrievalCache
 from .streaming import POSITION_MODES
 

@@ -41,17 +41,17 @@ RoPE sees.
 
 Positions handed to :meth:`begin` must continue from :attr:`length` (the
 model's default); the slot arithmetic relies on it. All batch rows share one
-length, as in :class:`~sparsedraft.cache.StaticCache`.
+length, as in :class:`~sparsedraft.engine.cache.StaticCache`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache
-from ..config import ModelConfig
+from ..engine.cache import KVCache
+from ..engine.config import ModelConfig
+from ..engine.rope import Angles, Rotary
 from ..errors import require
-from ..rope import Angles, Rotary
 
 POSITION_MODES = ("true", "cache")
 

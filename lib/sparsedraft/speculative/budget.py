@@ -19,9 +19,9 @@ from typing import Callable
 import torch
 
 from ..caches.budget import BudgetCache, observation_window
+from ..engine.model import Capture, Transformer
+from ..engine.prefill import PREFILL_CHUNK, prefill
 from ..errors import require
-from ..generate import PREFILL_CHUNK, prefill
-from ..model import Capture, Transformer
 from .drafters import DraftContext, ModelDrafter, TargetState
 
 

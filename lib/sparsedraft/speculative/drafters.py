@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache, StaticCache
 from ..caches import RetrievalCache
+from ..engine.cache import KVCache, StaticCache
+from ..engine.model import Capture, Transformer
+from ..engine.prefill import prefill
+from ..engine.sampling import SamplingConfig, probabilities
 from ..errors import require
-from ..generate import prefill
-from ..model import Capture, Transformer
-from ..sampling import SamplingConfig, probabilities
 from .stats import LevelStats, Stopwatch
 
 

@@ -17,9 +17,9 @@ drafter's file. That file is a safetensors of the owned weights beside a JSON
 record of the target's :func:`fingerprint`, so a drafter loaded against another
 target is refused before any forward.
 
-The head's own KV cache is any :class:`~sparsedraft.cache.KVCache` of a
+The head's own KV cache is any :class:`~sparsedraft.engine.cache.KVCache` of a
 one-layer config (:meth:`FeatureHead.layer_config`): a full
-:class:`~sparsedraft.cache.StaticCache`, a StreamingLLM window, or
+:class:`~sparsedraft.engine.cache.StaticCache`, a StreamingLLM window, or
 BudgetDraft's budgeted cache. Position ``t`` of that cache holds the entry
 ``(f_t, x_{t+1})``.
 """
@@ -36,10 +36,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..cache import KVCache, SequenceView
-from ..config import ModelConfig
+from ..engine.cache import KVCache, SequenceView
+from ..engine.config import ModelConfig
+from ..engine.model import Block, Capture, Transformer, project, run_layers
 from ..errors import SparsedraftError, require
-from ..model import Block, Capture, Transformer, project, run_layers
 from .vocab import SubsetHead
 
 WEIGHTS = "feature_drafter.safetensors"

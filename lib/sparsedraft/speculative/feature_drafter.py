@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KVCache, StaticCache
 from ..caches import BudgetCache, RetrievalCache, StreamingCache
+from ..engine.cache import KVCache, StaticCache
+from ..engine.prefill import prefill
+from ..engine.sampling import probabilities
 from ..errors import require
-from ..generate import prefill
-from ..sampling import probabilities
 from .budget import budget_prefill
 from .drafters import DraftContext, Drafter, Proposal, TargetState, draw, proposal_of
 from .feature import Entries, FeatureHead

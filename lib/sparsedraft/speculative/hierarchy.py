@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 from ..caches import RetrievalCache
+from ..engine.model import Transformer
+from ..engine.sampling import probabilities
 from ..errors import require
-from ..model import Transformer
-from ..sampling import probabilities
 from .drafters import DraftContext, Drafter, ModelDrafter, Proposal, TargetState, proposal_of
 from .stats import DRAFT, RETRIEVAL_LEVEL, VERIFY, LevelStats, region
 from .verify import AcceptanceRule, standard_acceptance, verify

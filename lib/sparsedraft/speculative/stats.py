@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..generate import synchronize
+from ..engine.runtime import synchronize
 
 TARGET = "target"  # the full-cache verifier: the last level of every run
 RETRIEVAL_LEVEL = "level2"  # TriForce's middle level: the target over a retrieval cache

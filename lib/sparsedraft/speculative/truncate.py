@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..engine.model import Transformer
 from ..errors import require
-from ..model import Transformer
 
 
 def truncated_draft(target: Transformer, k: int) -> Transformer:

@@ -20,9 +20,9 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from ..data import corpus_tokens
+from ..engine.data import corpus_tokens
+from ..engine.model import Transformer, project
 from ..errors import require
-from ..model import Transformer, project
 
 
 class SubsetHead(nn.Module):
@@ -72,7 +72,7 @@ def frequent_tokens(tokenizer, n: int, vocab_size: int) -> torch.Tensor:
 def frequent_tokens_of(source: str, n: int, vocab_size: int) -> torch.Tensor:
     """:func:`frequent_tokens` with the tokenizer of the model named ``source``, kept: loading that tokenizer and
     tokenising the corpus takes seconds, and every run restricting a draft asks again."""
-    from ..data import model_tokenizer
+    from ..engine.data import model_tokenizer
     return frequent_tokens(model_tokenizer(source), n, vocab_size)
 
 

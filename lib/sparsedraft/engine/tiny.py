@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from ..errors import SparsedraftError
 from .config import ModelConfig
-from .errors import SparsedraftError
 from .model import Transformer
 
 _BASE: dict[str, Any] = {

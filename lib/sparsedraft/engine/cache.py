@@ -24,8 +24,8 @@ from typing import Mapping
 
 import torch
 
+from ..errors import require
 from .config import ModelConfig
-from .errors import require
 
 
 class Causal:
@@ -209,10 +209,10 @@ class RowCaches(KVCache):
     the *end* of the step (the step is left-padded); only those reach
     ``rows[b]``, a batch-1 cache of any class, which keeps its own length,
     positions, mask and rollback. The model asks :meth:`attend_row` per row
-    (see :class:`~sparsedraft.model.Attention`), so each row's attention is the
+    (see :class:`~sparsedraft.engine.model.Attention`), so each row's attention is the
     very call its batch-1 run makes. Padded queries get zeros; their outputs
     mean nothing and the caller drops them. Built per forward by
-    :mod:`sparsedraft.lockstep`, which batches independent batch-1 decoders.
+    :mod:`sparsedraft.speculative.lockstep`, which batches independent batch-1 decoders.
     """
 
     def __init__(self, rows: list[KVCache], counts: list[int]):

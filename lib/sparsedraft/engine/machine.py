@@ -12,26 +12,33 @@ CPU should be a choice, not a default.
 
 :func:`report` gathers the path: the best instruction set the CPU reports
 (:func:`best_isa` over ``/proc/cpuinfo`` flags), what the kernels were built
-for (:func:`sparsedraft.kernels.path`), torch's own
+for (:func:`sparsedraft.engine.kernels.path`), torch's own
 ``torch.backends.cpu.get_cpu_capability()``, whether bf16 is native, and the
 load average (other jobs on two cores slow a 2-thread step by whole scheduler
 quanta). :func:`peak_gflops` measures the compute peak per dtype, the other
 half of every roofline beside the read bandwidth.
+
+:func:`provenance` (commit, uncommitted changes, date) and
+:func:`machine_record` (CPU, cores, threads, read bandwidth, load) are what a
+record says about where its figures came from: a bench's results record
+(:mod:`sparsedraft.bench.record`) and a trained drafter's record alike.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
+import subprocess
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
-from .errors import require
-from .roofline import measure_matmul_flops
+from ..errors import require
+from .roofline import measure_matmul_flops, measure_read_bandwidth
 from .runtime import DTYPES
 
 # (flags that must all be present, name), best last: the widest path the CPU offers.
@@ -44,10 +51,7 @@ PEAK_SECONDS = 1.0  # per dtype: long enough for a stable median, short beside a
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     """The flags (x86) or features (ARM) ``/proc/cpuinfo`` lists; empty where it cannot be read."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _cpuinfo()
     flags: set[str] = set()
     for line in cpuinfo.splitlines():
         if line.split(":")[0].strip() in ("flags", "Features"):
@@ -119,9 +123,46 @@ def warn_slow(machine: MachineReport, dtypes: Iterable[torch.dtype], device: tor
 
 def peak_gflops(dtypes: Iterable[str], device: torch.device | str = "cpu",
                 seconds: float = PEAK_SECONDS) -> dict[str, float]:
-    """GFLOP/s of a dense matmul per dtype name (``fp32``, ``bf16``, ...: :data:`~sparsedraft.runtime.DTYPES`),
-    each measured for about ``seconds`` (:func:`~sparsedraft.roofline.measure_matmul_flops`, sized to the
+    """GFLOP/s of a dense matmul per dtype name (``fp32``, ``bf16``, ...: :data:`~sparsedraft.engine.runtime.DTYPES`),
+    each measured for about ``seconds`` (:func:`~sparsedraft.engine.roofline.measure_matmul_flops`, sized to the
     machine)."""
     for name in dtypes:
         require(name in DTYPES, f"dtype {name!r} is not one of {tuple(DTYPES)}")
     return {name: measure_matmul_flops(device, DTYPES[name], seconds=seconds) / 1e9 for name in dict.fromkeys(dtypes)}
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def provenance(root: Path | None = None) -> dict[str, Any]:
+    """Commit, dirty flag and UTC date of a measurement made from the checkout at ``root`` (this file's)."""
+    root = root or Path(__file__).resolve().parent
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return {"commit": _git(root, "rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def machine_record(read_gb_s: float | None = None) -> dict[str, Any]:
+    """The machine a figure was measured on, as a results record stores it; the read bandwidth is measured here
+    when not given."""
+    if read_gb_s is None or read_gb_s != read_gb_s:  # absent or NaN
+        read_gb_s = measure_read_bandwidth("cpu") / 1e9
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+               platform.processor())
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other jobs on the cores slow every figure
+    return {"isa": best_isa(cpu_flags()), "cpu": cpu, "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "read_gb_s": round(read_gb_s, 2),
+            "load_1min": None if load is None else round(load, 2)}
+
+
+def _cpuinfo() -> str:
+    """``/proc/cpuinfo``, empty where it cannot be read."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import require
 from .config import ModelConfig
-from .errors import require
 
 DRAFT_WEIGHTS = ("same", "bf16", "int8", "int4")  # a self-draft's weights; "same": the target's own
 INT4_GROUP = 32  # input features sharing one int4 scale and offset (divides every hidden size we load)

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..errors import SparsedraftError, require
 from .config import FAMILIES, ModelConfig
-from .errors import SparsedraftError, require
 from .model import Transformer
 from .rope import Rotary
 from .tiny import TINY_CONFIGS, tiny_model

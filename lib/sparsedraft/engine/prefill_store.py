@@ -1,10 +1,10 @@
 """An opt-in disk cache of prefilled prompts, so a prompt is prefilled once across processes and notebooks.
 
 Each entry is one safetensors file (tensors and string metadata only: loading
-never unpickles) holding a :class:`~sparsedraft.prefilled.PrefilledPrompt`:
+never unpickles) holding a :class:`~sparsedraft.engine.prefilled.PrefilledPrompt`:
 the prompt, the full cache's committed keys, values and positions, the last
 logits and the last token's queries. It is named by a hash of its key -- the
-model's identity (:func:`~sparsedraft.prefilled.model_identity`: source,
+model's identity (:func:`~sparsedraft.engine.prefilled.model_identity`: source,
 config with RoPE theta, scaling and maximum context, dtype, device type, a
 hash of every weight) and a hash of the prompt's ids -- and stores that key
 with a checksum of its tensors. A read verifies both, so a file from another
@@ -18,6 +18,10 @@ least recently used entries go first, a hit counting as a use (it touches the
 file's modification time). Writes go through a temporary file and a rename,
 so a crash never leaves a half-written entry under an entry's name. Keep the
 folder under ``data/cache/`` (git-ignored), e.g. ``data/cache/prefill``.
+
+:func:`prefill_prompt` is the one way to a prefill: read from a store when
+one is given and holds it, computed (:func:`~sparsedraft.engine.prefilled.compute_prefill`)
+and written to the store otherwise.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..errors import SparsedraftError, require
 from .cache import StaticCache
-from .errors import SparsedraftError, require
-from .generate import synchronize
 from .model import Transformer
-from .prefilled import PrefilledPrompt, as_prompt, first_difference, model_identity, tensor_digest
+from .prefill import check_prompt
+from .prefilled import PrefilledPrompt, as_prompt, compute_prefill, first_difference, model_identity, tensor_digest
+from .runtime import synchronize
 
 FORMAT = 2  # 2: prompt features (feature drafters) beside the cache; bump when the layout of an entry changes: older entries then miss
 SUFFIX = ".safetensors"
@@ -211,3 +216,22 @@ class StoredCache:
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
     """Bytes of the tensors an entry holds (its file is this plus a small header)."""
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def prefill_prompt(model: Transformer, prompt: torch.Tensor | Sequence[int], *, store: PrefillStore | None = None,
+                   warmup: bool = False, on_disk: bool = False) -> PrefilledPrompt:
+    """The prefill of ``prompt`` (ids, ``[T]`` or ``[B, T]``) that ``decode(..., prefilled=)`` and every
+    decoder start from. With ``store`` it is read from that disk cache when there (a damaged entry is
+    recomputed with a one-line warning) and written to it otherwise; ``on_disk`` then leaves its cache in
+    the file, read by each decoder when it starts (a batch's prefills then cost no memory between runs;
+    kept in memory when the store could not keep the entry)."""
+    ids = as_prompt(prompt)
+    check_prompt(model, ids, 0)
+    if store is not None:
+        found = store.load(model, ids, on_disk=on_disk)
+        if found is not None:
+            return found
+    result = compute_prefill(model, ids, warmup)
+    if store is not None and store.save(result) is not None and on_disk:
+        return store.load(model, ids, on_disk=True) or result
+    return result

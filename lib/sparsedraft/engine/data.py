@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import SparsedraftError, require
+from ..errors import SparsedraftError, require
 from .weights import load_tokenizer, resolve
 
 SPLITS = ("all", "train", "heldout", "unseen")

@@ -3,7 +3,7 @@
 Each method is an options dataclass (validated on construction, with a
 ``check`` for what depends on the model and the prompt length) and a run
 function over the library's decoders (each can start from a shared
-:class:`~sparsedraft.prefilled.PrefilledPrompt`). The CLI and the benchmarks derive their
+:class:`~sparsedraft.engine.prefilled.PrefilledPrompt`). The CLI and the benchmarks derive their
 options from the same dataclasses (:mod:`sparsedraft.cliopts`), so a method
 added to :data:`METHODS` is reachable from Python, the bench and the command
 line at once.
@@ -15,29 +15,29 @@ Defaults are the best settings measured on a 2-core CPU with SmolLM2 at 8K
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .budgetdraft.checkpoint import check_drafter_for, has_checkpoint, load_drafter, read_state
-from .speculative.budget import BudgetDrafter
-from .caches import StreamingCache, rebuild_policy
-from .caches.budget import SCORINGS
-from .caches.retrieval import GROUP_REDUCTIONS
-from .caches.streaming import POSITION_MODES
-from .config import ModelConfig
-from .errors import SparsedraftError, require
-from .generate import GenerationResult, generate
-from .model import Transformer
-from .prefilled import PrefilledPrompt
-from .quant import DRAFT_WEIGHTS, check_draft_weights, draft_copy
-from .sampling import SamplingConfig
-from .speculative import (Drafter, ModelDrafter, NgramDrafter, SpecResult, retrieval, speculative, triforce,
-                          truncated_draft)
-from .speculative.feature import FeatureHead, is_feature_drafter, load_feature_head, read_record
-from .speculative.feature_drafter import FeatureDrafter
-from .speculative.vocab import frequent_tokens_of, restrict_head
+from ..caches import StreamingCache, rebuild_policy
+from ..caches.budget import SCORINGS
+from ..caches.retrieval import GROUP_REDUCTIONS
+from ..caches.streaming import POSITION_MODES
+from ..engine.config import ModelConfig
+from ..engine.generate import GenerationResult, generate
+from ..engine.model import Transformer
+from ..engine.prefilled import PrefilledPrompt
+from ..engine.quant import DRAFT_WEIGHTS, check_draft_weights, draft_copy
+from ..engine.sampling import SamplingConfig
+from ..errors import SparsedraftError, require
+from .budget import BudgetDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drivers import SpecResult, retrieval, speculative, triforce
+from .feature import FeatureHead
+from .feature_drafter import FeatureDrafter
+from .loading import SLICE, check_trained_for, drafter_kind, load_trained, read_state, trained_scoring
+from .truncate import truncated_draft
+from .vocab import frequent_tokens_of, restrict_head
 
 DRAFT_CACHES = ("full", "streaming", "budget")
 SELF = "self"  # the target drafts for itself over a sparse cache of its own (prefilled through it)
@@ -54,9 +54,9 @@ def _check_draft(draft: Any) -> None:
 
 def _check_trained_budget(draft: Any, budget: int) -> None:
     """A BudgetDraft run folder drafts only at budgets its drafter was trained on (and with this view version)."""
-    if not (isinstance(draft, str) and has_checkpoint(Path(draft))):
+    if not (isinstance(draft, str) and drafter_kind(draft) == SLICE):
         return
-    trained = read_state(Path(draft))["config"]["budgets"]
+    trained = read_state(draft)["config"]["budgets"]
     require(budget in trained, f"budget {budget} was not among the budgets {list(trained)} the drafter in {draft} "
                                "was trained on; pick one of those or train with this budget")
 
@@ -73,29 +73,20 @@ def _chunk_scoring(draft: Any, chunk_scoring: str) -> str:
     """The budget cache's chunk rule: the one asked for, else the one the run folder's drafter trained with."""
     if chunk_scoring:
         return chunk_scoring
-    if isinstance(draft, str) and has_checkpoint(Path(draft)):
-        return read_state(Path(draft))["config"].get("scoring", "attention")
-    if isinstance(draft, str) and is_feature_drafter(draft):
-        return read_record(draft).get("scoring", "attention")
+    if isinstance(draft, str) and drafter_kind(draft):
+        return trained_scoring(draft)
     return "attention"
 
 
 def _check_draft_source(draft: Any, cfg: ModelConfig) -> None:
     """A draft named by a string must be findable before anything loads (an HF id may download here); a
-    BudgetDraft run folder must be readable and trained for this verifier's vocabulary."""
-    if isinstance(draft, str) and has_checkpoint(Path(draft)):
-        check_drafter_for(Path(draft), cfg.vocab_size)
-        return
-    if isinstance(draft, str) and is_feature_drafter(draft):
-        theirs = read_record(draft)["target"]
-        require((theirs.get("vocab_size"), theirs.get("hidden_size")) == (cfg.vocab_size, cfg.hidden_size),
-                f"the feature drafter in {draft} reads a target of vocabulary {theirs.get('vocab_size')} and hidden "
-                f"size {theirs.get('hidden_size')} ({theirs.get('source')!r}), not this one ({cfg.vocab_size}, "
-                f"{cfg.hidden_size}); use the target it was trained for")
+    trained drafter's folder must be readable and trained for this verifier."""
+    if isinstance(draft, str) and drafter_kind(draft):
+        check_trained_for(draft, cfg)
         return
     if not isinstance(draft, str) or draft in ("ngram", SELF) or draft.startswith("truncated:"):
         return
-    from .weights import resolve
+    from ..engine.weights import resolve
     try:
         resolve(draft)
     except SparsedraftError as exc:
@@ -330,12 +321,9 @@ def _load_draft(draft: str | Transformer | Drafter | FeatureHead,
         return target
     if draft.startswith("truncated:"):
         return truncated_draft(target, int(draft.removeprefix("truncated:")))
-    if has_checkpoint(Path(draft)):
-        check_drafter_for(Path(draft), target.cfg.vocab_size, getattr(target, "source", None))
-        return load_drafter(draft, target.dtype, target.device)
-    if is_feature_drafter(draft):
-        return load_feature_head(draft, target)
-    from .weights import load_model
+    if drafter_kind(draft):
+        return load_trained(draft, target)
+    from ..engine.weights import load_model
     return load_model(draft, target.dtype, target.device)
 
 

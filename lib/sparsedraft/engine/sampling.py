@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import require
+from ..errors import require
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .errors import SparsedraftError, require
+from ..errors import SparsedraftError, require
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -24,6 +24,12 @@ def resolve_device(name: str) -> torch.device:
     require(device.type != "cuda" or torch.cuda.is_available(),
             f"device {name!r} requested but CUDA is not available here; use --device cpu or auto")
     return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timed region ends when its work does (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def device_name(device: torch.device) -> str:

@@ -6,18 +6,18 @@ TriForce (:func:`triforce`) is :func:`speculative` over a
 retrieval cache (:class:`~.hierarchy.RetrievalDrafter`) and whose own drafter
 is a small model with a streaming cache; "retrieval without hierarchy"
 (:func:`retrieval`) is :func:`speculative` over a RetrievalDrafter. The plain
-autoregressive baseline is :func:`sparsedraft.generate.generate`.
+autoregressive baseline is :func:`sparsedraft.engine.generate.generate`.
 
 The target prefills the whole prompt once and the drafters start from it (a
 retrieval cache is selected by the last prompt token's query over every
 prompt key, its own included, as in TriForce). Then the target forgets the
 last prompt token (``rollback(1)``): every round feeds ``[pending,
 drafts...]``, so the first generated token is verified like every other.
-Given a :class:`~sparsedraft.prefilled.PrefilledPrompt`, the target starts
+Given a :class:`~sparsedraft.engine.prefilled.PrefilledPrompt`, the target starts
 from a copy of its cache, logits and queries instead of a prompt forward, and
 the drafters start from that copy (the prefill is never written). A run holds
 one sequence, since acceptance lengths differ per sequence; a batch runs one
-such run per row in lockstep (:mod:`sparsedraft.lockstep`, through
+such run per row in lockstep (:mod:`sparsedraft.speculative.lockstep`, through
 :func:`sparsedraft.decode` with a list of prompts).
 """
 
@@ -30,18 +30,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..caches import MovingAverage, RebuildPolicy, RetrievalCache, StreamingCache, rebuild_policy
+from ..engine.model import Capture, Transformer
+from ..engine.prefill import check_prompt, prefill
+from ..engine.quant import draft_copy
+from ..engine.runtime import synchronize
+from ..engine.sampling import SamplingConfig, probabilities
 from ..errors import require
-from ..generate import check_prompt, prefill, synchronize
-from ..model import Capture, Transformer
-from ..quant import draft_copy
-from ..sampling import SamplingConfig, probabilities
 from .drafters import DraftContext, Drafter, ModelDrafter, TargetState
 from .hierarchy import RetrievalDrafter, SpeculativeDrafter
 from .stats import DRAFT, REBUILD, RETRIEVAL_LEVEL, SYNC, TARGET, VERIFY, LevelStats, SpecStats, Stopwatch
 from .verify import AcceptanceRule, standard_acceptance, verify
 
 if TYPE_CHECKING:
-    from ..prefilled import PrefilledPrompt
+    from ..engine.prefilled import PrefilledPrompt
 
 
 @dataclass
@@ -94,7 +95,7 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
                 eos_token_id: int | None = None, prefilled: PrefilledPrompt | None = None) -> SpecResult:
     """Generate ``max_new_tokens`` with ``drafter`` proposing ``gamma`` tokens per target forward.
 
-    The output has exactly the law of :func:`~sparsedraft.generate.generate`
+    The output has exactly the law of :func:`~sparsedraft.engine.generate.generate`
     with the same ``sampling`` (token for token when greedy). ``rebuild``
     decides when a drafter whose cache follows the target (one that
     ``needs_target_queries``) is rebuilt from the newest token's queries;
@@ -167,7 +168,7 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
 def retrieval_drafter(target: Transformer, gamma: int, budget: int, chunk_size: int,
                       group_reduce: str = "sum", draft_weights: str = "same") -> RetrievalDrafter:
     """The target drafting for itself over a retrieval cache (at most ``gamma`` level-2 tokens between syncs),
-    with its weights as ``draft_weights`` (:func:`~sparsedraft.quant.draft_copy`; the cache still follows the
+    with its weights as ``draft_weights`` (:func:`~sparsedraft.engine.quant.draft_copy`; the cache still follows the
     full-precision target's)."""
     cache = RetrievalCache(target.cfg, budget, chunk_size, spec_slots=gamma, dtype=target.dtype,
                            device=target.device, group_reduce=group_reduce)

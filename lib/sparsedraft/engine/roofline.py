@@ -46,9 +46,9 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 import torch
 
+from ..errors import require
 from .config import ModelConfig
-from .errors import require
-from .generate import synchronize
+from .runtime import synchronize
 
 MIB = 1 << 20
 GIB = 1 << 30

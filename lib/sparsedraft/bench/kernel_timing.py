@@ -1,6 +1,6 @@
 """Time the C++ attention kernel against torch SDPA on SmolLM2-135M-shaped decode attention.
 
-Not a test (a test never asserts a wall-clock time): ``python -m sparsedraft.kernels.timing``.
+Not a test (a test never asserts a wall-clock time): ``python -m sparsedraft.bench.kernel_timing``.
 Each step attends ``layers`` separate caches (so the KV comes from memory, as in a real forward),
 with q folded to [B, KV, g*T, D] and, for T > 1, the bool mask model.attention builds; the kernel
 gets the same q and cache views. Prints a table, then one JSON object as the last line.
@@ -15,8 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..bench.timing import interleaved_runs
-from . import attend, available
+from ..engine.kernels import attend, available
+from .timing import interleaved_runs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

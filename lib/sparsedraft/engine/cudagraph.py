@@ -13,7 +13,7 @@ around each replay.
 
 :func:`check_static` tests that promise where it can be tested without a
 GPU: two eager steps at different lengths must hand attention tensors of the
-same shapes (a :class:`~sparsedraft.cache.StaticCache` fails: its keys grow).
+same shapes (a :class:`~sparsedraft.engine.cache.StaticCache` fails: its keys grow).
 Without CUDA, or with ``graph=False``, :class:`GraphedStep` runs the same
 forward eagerly, so every caller has one code path on every device.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import require
 from .cache import KVCache
-from .errors import require
 from .model import Transformer
 
 Shapes = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...] | None]

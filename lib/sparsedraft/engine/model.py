@@ -1,7 +1,7 @@
 """One decoder-only transformer forward for Llama, Mistral, Qwen2 and Qwen3.
 
 ``forward(tokens, positions, cache)`` is the whole interface: positions are
-explicit and the cache (see :mod:`sparsedraft.cache`) decides which keys and
+explicit and the cache (see :mod:`sparsedraft.engine.cache`) decides which keys and
 values each layer attends to and with what mask. Families differ only by
 config switches (qkv bias, q/k norm, sliding window, tied head).
 
@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import require
 from . import kernels
 from .cache import CAUSAL, Causal, KVCache, RowCaches, SequenceView, StaticCache, causal_tail
 from .config import ModelConfig
-from .errors import require
 from .rope import Rotary
 
 try:  # optional CUDA kernel; SDPA is the path the tests cover
@@ -66,7 +66,7 @@ class RMSNorm(nn.Module):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Causal | None,
               scale: float, need_weights: bool = False):
-    """q [B, H, T, D], k/v [B, KV, S, D], mask None, :data:`~sparsedraft.cache.CAUSAL` or bool [B, 1, T, S]
+    """q [B, H, T, D], k/v [B, KV, S, D], mask None, :data:`~sparsedraft.engine.cache.CAUSAL` or bool [B, 1, T, S]
     (or [B, KV, T, S]: one mask per KV head, shared by its group's query heads).
 
     Returns (out [B, H, T, D], weights [B, H, T, S] or None). Paths, first that applies:
@@ -178,7 +178,7 @@ def _additive(mask: torch.Tensor | tuple[int, int], dtype: torch.dtype, device: 
 
 def _attend_rows(cache: RowCaches, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
-    """Attention of a :class:`~sparsedraft.cache.RowCaches` batch: each row's real (last) queries over its
+    """Attention of a :class:`~sparsedraft.engine.cache.RowCaches` batch: each row's real (last) queries over its
     own cache, by the call its batch-1 forward makes; padded queries get zeros."""
     out = torch.zeros_like(q)
     t = q.shape[2]

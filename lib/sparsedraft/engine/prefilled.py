@@ -15,8 +15,10 @@ still prefills that cache itself.
 A prefill remembers the model that made it (:func:`model_identity`: source,
 config with its RoPE settings, dtype, device type and a hash of every weight),
 and :meth:`PrefilledPrompt.check` refuses another model or prompt before a
-decoder does any work. The same identity keys the disk cache
-(:mod:`sparsedraft.prefill_store`).
+decoder does any work. :func:`compute_prefill` makes one; the entry point
+:func:`~sparsedraft.engine.prefill_store.prefill_prompt` lives with the disk cache
+(:mod:`sparsedraft.engine.prefill_store`), which the same identity keys, so this
+module never imports the store.
 """
 
 from __future__ import annotations
@@ -25,17 +27,15 @@ import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
+from ..errors import require
 from .cache import StaticCache
-from .errors import require
-from .generate import PREFILL_CHUNK, check_prompt, prefill, synchronize
 from .model import Capture, Transformer
-
-if TYPE_CHECKING:
-    from .prefill_store import PrefillStore
+from .prefill import PREFILL_CHUNK, prefill
+from .runtime import synchronize
 
 
 def tensor_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -144,22 +144,3 @@ def compute_prefill(model: Transformer, prompt: torch.Tensor, warmup: bool = Fal
     queries = {layer: q[:, :, -1].clone() for layer, q in capture.queries.items()}
     return PrefilledPrompt(prompt.cpu(), cache, logits, queries, model_identity(model), seconds,
                            features=capture.features)
-
-
-def prefill_prompt(model: Transformer, prompt: torch.Tensor | Sequence[int], *, store: PrefillStore | None = None,
-                   warmup: bool = False, on_disk: bool = False) -> PrefilledPrompt:
-    """The prefill of ``prompt`` (ids, ``[T]`` or ``[B, T]``) that ``decode(..., prefilled=)`` and every
-    decoder start from. With ``store`` it is read from that disk cache when there (a damaged entry is
-    recomputed with a one-line warning) and written to it otherwise; ``on_disk`` then leaves its cache in
-    the file, read by each decoder when it starts (a batch's prefills then cost no memory between runs;
-    kept in memory when the store could not keep the entry)."""
-    ids = as_prompt(prompt)
-    check_prompt(model, ids, 0)
-    if store is not None:
-        found = store.load(model, ids, on_disk=on_disk)
-        if found is not None:
-            return found
-    result = compute_prefill(model, ids, warmup)
-    if store is not None and store.save(result) is not None and on_disk:
-        return store.load(model, ids, on_disk=True) or result
-    return result

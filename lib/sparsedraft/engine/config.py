@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .errors import SparsedraftError, require
+from ..errors import SparsedraftError, require
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -44,7 +44,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         require(self.family in FAMILIES,
                 f"unknown architecture {self.family!r}: supported families are {FAMILIES}; "
-                "convert the checkpoint to one of them or add the family to sparsedraft.config")
+                "convert the checkpoint to one of them or add the family to sparsedraft.engine.config")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             require(getattr(self, name) > 0, f"config field {name} must be > 0, got {getattr(self, name)}")

@@ -4,23 +4,23 @@ Speculative decoding with a batch is awkward because every row accepts a
 different number of tokens, so rows drift apart in length, in what their
 caches hold and, in a hierarchy, in which level runs next. Instead of
 rewriting every decoder and cache for ragged batches, :func:`run_rows` runs
-one *job* per row (any batch-1 decoder: :func:`~sparsedraft.generate.generate`,
+one *job* per row (any batch-1 decoder: :func:`~sparsedraft.engine.generate.generate`,
 :func:`~sparsedraft.speculative.speculative`, TriForce...), each in its own
 thread, and hands each job :class:`RowModel` stand-ins for the models. A
 row's forward does not run in its thread: it waits until every unfinished
 row waits too, then the main thread runs the waiting forwards of one model as
-*one* forward over a :class:`~sparsedraft.cache.RowCaches` batch (steps of
+*one* forward over a :class:`~sparsedraft.engine.cache.RowCaches` batch (steps of
 different lengths left-padded), so the weights are read once for all rows.
 
 Each row's caches are its own batch-1 caches (full, retrieval, streaming,
 budget: any class), with their own lengths, masks and rollbacks, and every
 row's attention is the call its batch-1 run makes; the projections go
-through the row-exact kernel (:func:`~sparsedraft.model.project`). So a row of
+through the row-exact kernel (:func:`~sparsedraft.engine.model.project`). So a row of
 a batch gets bit for bit the logits of its batch-1 run: batched greedy output
 is each row's batch-1 output, batched speculative output is each row's plain
 greedy output, and a sampled row has the law of a batch-1 run (with its own
 seed). Prompts need no padding: each row keeps its own length. Forwards of
-more than :data:`~sparsedraft.model.KERNEL_MAX_TOKENS` tokens (prefill chunks)
+more than :data:`~sparsedraft.engine.model.KERNEL_MAX_TOKENS` tokens (prefill chunks)
 run one row at a time, exactly as at batch 1.
 
 Threads only wait and do the rows' small bookkeeping (verification,
@@ -38,9 +38,9 @@ from typing import Any, Callable
 
 import torch
 
-from .cache import KVCache, RowCaches
-from .errors import require
-from .model import KERNEL_MAX_TOKENS, Capture, Transformer
+from ..engine.cache import KVCache, RowCaches
+from ..engine.model import KERNEL_MAX_TOKENS, Capture, Transformer
+from ..errors import require
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """One door to every decoder: ``decode(model, prompt, method=..., max_new_tokens=..., **options)``.
 
-The methods live in :data:`sparsedraft.methods.METHODS`; this module turns a
+The methods live in :data:`sparsedraft.speculative.methods.METHODS`; this module turns a
 prompt (text or ids) into token ids, validates everything before the first
 forward, runs the method and returns one :class:`DecodeResult`, whatever the
 method.
@@ -14,7 +14,7 @@ its decode phase emits all ``N``. Each ratio therefore compares the cost of one
 emitted token in steady state.
 
 One prefill can serve many runs: ``decode(..., prefilled=prefill_prompt(model,
-ids))`` starts every method from a copy of it (:mod:`sparsedraft.prefilled`).
+ids))`` starts every method from a copy of it (:mod:`sparsedraft.engine.prefilled`).
 ``prefill_s`` then still counts that prefill's seconds, plus what the run spent
 itself (:attr:`DecodeResult.setup_s`: the copy, a retrieval cache's selection,
 a draft model's own prefill), so ratios of prefill + decode stay honest.
@@ -27,16 +27,17 @@ from typing import Any, Sequence
 
 import torch
 
-from .cache import StaticCache
-from .data import Tokenizer, model_tokenizer
-from .errors import require
-from .generate import GenerationResult, check_prompt
+from ..engine.cache import StaticCache
+from ..engine.data import Tokenizer, model_tokenizer
+from ..engine.generate import GenerationResult
+from ..engine.model import Transformer
+from ..engine.prefill import check_prompt
+from ..engine.prefilled import PrefilledPrompt
+from ..engine.sampling import SamplingConfig
+from ..errors import require
+from .feature import FeatureHead
 from .methods import METHODS, method_options
-from .model import Transformer
-from .prefilled import PrefilledPrompt
-from .sampling import SamplingConfig
-from .speculative import LevelStats, SpecStats
-from .speculative.feature import FeatureHead
+from .stats import LevelStats, SpecStats
 
 Prompt = str | Sequence[str] | Sequence[int] | torch.Tensor
 
@@ -54,7 +55,7 @@ class DecodeResult:
     text: list[str] | None = None  # decoded tokens per sequence when a tokenizer is known
     shared_prefill_s: float = 0.0  # the part of prefill_s a shared prefill spent (its seconds); 0 without one
     rows: list["DecodeResult"] | None = None  # a batch: each row's own result (its levels, times, stats)
-    lockstep: Any = None  # a batch: what the batching did (:class:`~sparsedraft.lockstep.LockstepStats`)
+    lockstep: Any = None  # a batch: what the batching did (:class:`~sparsedraft.speculative.lockstep.LockstepStats`)
 
     @property
     def ms_per_token(self) -> float:
@@ -126,11 +127,11 @@ def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_token
            prefilled: PrefilledPrompt | Sequence[PrefilledPrompt] | None = None,
            attention_mask: torch.Tensor | None = None, max_memory: int | str | None = None,
            **options: Any) -> DecodeResult:
-    """Generate ``max_new_tokens`` with ``method`` (see :data:`sparsedraft.methods.METHODS` for each one's options).
+    """Generate ``max_new_tokens`` with ``method`` (see :data:`~.methods.METHODS` for each one's options).
 
     ``sampling`` (or the ``temperature``/``top_p``/``seed`` shortcuts) sets
     the law; temperature 0 is greedy, where every method returns exactly the
-    tokens of ``method="ar"``. ``prefilled`` (:func:`~sparsedraft.prefilled.prefill_prompt`
+    tokens of ``method="ar"``. ``prefilled`` (:func:`~sparsedraft.engine.prefill_store.prefill_prompt`
     of this model and prompt) replaces the prompt forward by a copy of it and is
     left as it was. Every option, the prompt and the prefill are checked before
     the first forward.
@@ -138,7 +139,7 @@ def decode(model: Transformer, prompt: Prompt, method: str = "ar", max_new_token
     A batch -- a list of prompts of any lengths, or a ``[B, T]`` tensor (with
     ``attention_mask`` when padded) -- runs every row through the method at
     batch 1 in lockstep, one forward per step for all rows
-    (:mod:`sparsedraft.batching`); ``prefilled`` is then one prefill per row,
+    (:mod:`sparsedraft.speculative.batching`); ``prefilled`` is then one prefill per row,
     ``max_memory`` caps what the batch may hold (default: the available memory),
     and the result's ``rows`` hold each row's own result. Plain decoding of a
     ``[B, T]`` tensor (rows of one length) keeps one batched cache instead, so

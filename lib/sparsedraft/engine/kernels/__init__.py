@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from ..errors import require
+from ...errors import require
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("decode_attention.cpp", "few_rows_linear.cpp", "bindings.cpp"))

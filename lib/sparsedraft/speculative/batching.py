@@ -1,7 +1,7 @@
 """Batch decoding for :func:`sparsedraft.decode`: prompts as rows, memory checked first, rows in lockstep.
 
 A batch is a list of prompts of any lengths. Nothing is padded: each row keeps
-its own caches and length (:mod:`sparsedraft.lockstep`). A ``[B, T]`` tensor
+its own caches and length (:mod:`sparsedraft.speculative.lockstep`). A ``[B, T]`` tensor
 holding prompts of different lengths must say which ids are padding with an
 ``attention_mask`` (1 real, 0 padding, on either side): without it the pads
 would be read as text, so a tensor whose rows end in the tokenizer's pad id is
@@ -25,13 +25,13 @@ from typing import Any, Sequence
 
 import torch
 
-from . import roofline
-from .caches import StreamingCache
-from .config import ModelConfig
-from .errors import require
+from ..caches import StreamingCache
+from ..engine import roofline
+from ..engine.config import ModelConfig
+from ..engine.model import Transformer
+from ..engine.sampling import SamplingConfig
+from ..errors import require
 from .lockstep import LockstepStats, run_rows
-from .model import Transformer
-from .sampling import SamplingConfig
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 
