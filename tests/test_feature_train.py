@@ -94,6 +94,7 @@ def test_the_loss_falls_and_the_curve_is_written(tmp_path):
     curve = (result.run_dir / "curve.csv").read_text().splitlines()
     assert curve[0].startswith("step,train_tokens_seen,first_draft,first_draft_vocab,step_1")
     assert len(curve) >= 4
+    assert (result.run_dir / "drafter" / "curve.csv").read_text().splitlines() == curve  # shipped with the drafter
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):

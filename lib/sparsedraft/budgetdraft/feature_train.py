@@ -279,6 +279,8 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     record["wall_seconds"] = round(time.time() - began, 1)
     record["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     drafter = save_feature_head(head, cfg.run_dir / DRAFTER, target, record)
+    if (cfg.run_dir / CURVE).is_file():  # the agreement curve travels with the drafter it describes
+        shutil.copy2(cfg.run_dir / CURVE, drafter / CURVE)
     if cfg.export:
         Path(cfg.export).mkdir(parents=True, exist_ok=True)
         for item in drafter.iterdir():
