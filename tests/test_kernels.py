@@ -157,13 +157,13 @@ def test_build_failure_warns_once_and_reports_unavailable(monkeypatch):
 
 def test_no_compiler_in_a_fresh_process(tmp_path):
     """The real failure path: a compiler that does not exist, an empty build cache."""
-    code = ("import warnings\nfrom sparsedraft import kernels\n"
+    code = ("import warnings\nfrom sparsedraft.engine import kernels\n"
             "with warnings.catch_warnings(record=True) as seen:\n"
             "    warnings.simplefilter('always')\n"
             "    print(kernels.available(), kernels.available(), len(seen))\n"
             "    print(seen[0].message if seen else '')\n")
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path),
-           "PYTHONPATH": str(Path(kernels.__file__).parents[2])}
+           "PYTHONPATH": str(Path(kernels.__file__).parents[3])}
     env.pop("SPARSEDRAFT_KERNELS", None)
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
