@@ -110,6 +110,9 @@ DRAFT_WEIGHTS_HELP = ("weights of a draft level that is the target itself: same 
                       "(group-wise; CPU): a copy made once per model; the verifier keeps its own, so greedy tokens "
                       "stay the target's")
 
+CHUNK_SCORING_HELP = ("how a budget draft cache ranks chunks: attention (observation window, per layer), keys (mean "
+                      "key vs last key, per KV head); empty: the drafter's training rule")
+
 DRAFT_VOCAB_HELP = ("score only the N tokens most frequent in the essays' train split in the draft's head (q = 0 "
                     "elsewhere: still lossless, a cheaper draft step); 0: the full head")
 
@@ -162,9 +165,7 @@ class SpecOptions(StreamingDraftOptions):
     budget: int = field(default=1024, metadata={"help": "tokens of a budget draft cache (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "chunk size of a budget draft cache"})
     draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
-    chunk_scoring: str = field(default="", metadata={
-        "help": "how a budget draft cache ranks chunks: attention (observation window, per layer), keys (mean "
-                "key vs last key, per KV head); empty: the drafter's training rule", "choices": CHUNK_SCORINGS})
+    chunk_scoring: str = field(default="", metadata={"help": CHUNK_SCORING_HELP, "choices": CHUNK_SCORINGS})
     draft_weights: str = field(default="same", metadata={"help": DRAFT_WEIGHTS_HELP, "choices": DRAFT_WEIGHTS})
 
     def __post_init__(self) -> None:
@@ -210,9 +211,7 @@ class BudgetDraftOptions:
     chunk_size: int = field(default=8, metadata={"help": "chunk size of the budget cache"})
     gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
     draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
-    chunk_scoring: str = field(default="", metadata={
-        "help": "how the budget cache ranks chunks: attention (observation window, per layer), keys (mean key vs "
-                "last key, per KV head); empty: the drafter's training rule", "choices": CHUNK_SCORINGS})
+    chunk_scoring: str = field(default="", metadata={"help": CHUNK_SCORING_HELP, "choices": CHUNK_SCORINGS})
 
     def __post_init__(self) -> None:
         _check_draft(self.draft)
