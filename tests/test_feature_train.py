@@ -109,6 +109,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
         train_feature_drafter(config(tmp_path, "b"), target, progress=False, callback=crash, provenance=False)
     resumed = train_feature_drafter(config(tmp_path, "b"), target, progress=False, provenance=False)
     assert resumed.step == straight.step == 4
+    assert resumed.record["resumed_from_step"] == 2 and "resumed_from_step" not in straight.record
     for (name, a), (_, b) in zip(straight.head.state_dict().items(), resumed.head.state_dict().items()):
         assert torch.equal(a, b), name
     with pytest.raises(SparsedraftError, match="different run"):

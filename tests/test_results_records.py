@@ -96,3 +96,67 @@ def test_the_readme_table_is_the_rendering_of_the_committed_records():
     table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     assert table == render_table(load_records(root / "docs" / "results")), \
         "README's results table differs from docs/results: run python -m sparsedraft results and commit both"
+
+
+def _curve_run(outputs, commit="fedcba9876543210", machine=True):
+    """A finished notebook-05 run folder as the runner and the notebook leave it (two contexts, the race)."""
+    run = outputs / "05_triforce_decoding" / "cpu-abc"
+    run.mkdir(parents=True)
+    record = {"notebook": "05_triforce_decoding", "profile": "cpu", "status": "ok", "started": "2026-12-04T15:00:00+00:00",
+              "wall_s": 900.0, "threads": None, "commit": commit, "dirty": False}
+    if machine:
+        record["machine"] = {"isa": "AVX2+FMA", "cores": 2, "torch_threads": 2, "read_gb_s": None}
+    (run / "run.json").write_text(json.dumps(record))
+    (run / "parameters.json").write_text(json.dumps({"curve_model": "smollm2-135m-yarn32k"}))
+    (run / "speedup_vs_context.png").write_bytes(b"\x89PNG fake")
+    (run / "speedup_vs_context.csv").write_text(
+        "context,ar_ms_per_token,triforce_budget,triforce_gamma1,triforce_gamma2,triforce_speedup,retrieval_budget,"
+        "retrieval_gamma2,retrieval_speedup,predicted_speedup,read_gb_s,new_tokens\n"
+        "8000,60.0,1024,2,6,1.5,1024,8,1.2,1.6,21.0,128\n"
+        "32000,150.0,2048,2,6,1.4,2048,6,1.1,1.45,20.0,128\n")
+    (run / "speedup_vs_context_runs.csv").write_text(
+        "context,decoding,method,budget,gamma1,gamma2,ms_per_token,ar_ms_per_token,speedup,acceptance_level2,"
+        "acceptance_target,tokens_match\n"
+        "8000,greedy,triforce,1024,4.0,8,45.0,60.0,1.33,0.6,0.9,True\n"
+        "8000,greedy,triforce,1024,2.0,6,40.0,60.0,1.5,0.7,0.95,True\n"
+        "8000,greedy,retrieval,1024,,8,50.0,60.0,1.2,,0.9,True\n"
+        "8000,sampled,triforce,1024,2.0,6,41.0,61.0,1.49,0.7,0.9,\n"
+        "32000,greedy,triforce,2048,2.0,6,107.1,150.0,1.4,0.75,0.9,True\n"
+        "32000,greedy,retrieval,2048,,6,136.4,150.0,1.1,,0.92,True\n")
+    (run / "level1_race.csv").write_text(
+        "context,level1,speedup,ms_per_token,ar_ms_per_token,acceptance_level2,acceptance_target,tokens_match,"
+        "read_gb_s\n"
+        "32000,prompt lookup,1.4,107.0,150.0,0.75,0.9,True,20.5\n"
+        "32000,feature drafter,0.9,166.7,150.0,0.3,0.9,True,20.5\n")
+    return run
+
+
+def test_the_curve_record_takes_each_context_best_rows_and_the_race_from_notebook_05s_run(tmp_path):
+    from sparsedraft.runner.results import CURVE_FIGURE, record_curve
+    _curve_run(tmp_path / "outputs")
+    path = record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
+    record = json.loads(path.read_text())
+    assert (tmp_path / "results" / CURVE_FIGURE).read_bytes() == b"\x89PNG fake"
+    assert record["commit"].startswith("fedcba") and record["machine"]["read_gb_s"] == 20.5
+    rows = record["result"]["rows"]
+    assert [(r["context"], r["method"], r["options"].get("draft")) for r in rows] == [
+        (8000, "triforce", "ngram"), (8000, "retrieval", None), (32000, "triforce", "ngram"),
+        (32000, "retrieval", None), (32000, "triforce", "feature")]
+    assert rows[0]["ms_per_token"] == 40.0 and rows[0]["options"]["gamma1"] == 2  # the best, not the first, setting
+    lines = render_table(load_records(tmp_path / "results")).splitlines()
+    assert len(lines) == 2 + 5
+    assert "| 8,000 | 128 greedy | 60.0 | 40.0 | **1.50x** (model 1.60x) | 0.70 / 0.95 | yes | 2026-12-04, fedcba9 |" \
+        in lines[2]
+
+
+def test_the_curve_record_refuses_a_run_without_commit_or_curve(tmp_path):
+    from sparsedraft.runner.results import record_curve
+    with pytest.raises(SparsedraftError, match="no finished run of notebook 05"):
+        record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
+    run = _curve_run(tmp_path / "outputs", machine=False)
+    with pytest.raises(SparsedraftError, match="names no commit or machine"):
+        record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
+    (run / "level1_race.csv").unlink()
+    (run / "speedup_vs_context.png").unlink()
+    with pytest.raises(SparsedraftError, match="speedup_vs_context.png missing"):
+        record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")

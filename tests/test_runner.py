@@ -178,7 +178,8 @@ def fake_papermill(monkeypatch, fail: bool = False):
         if fail:
             raise RuntimeError("cell failed\nsecond line")
         folder = Path(parameters["output_dir"])
-        (folder / "metrics.json").write_text(json.dumps({"double": 2, "detail": 1, "headline": ["double"]}))
+        (folder / "metrics.json").write_text(json.dumps({"double": 2, "detail": 1, "headline": ["double"],
+                                                         "headline_figure": "curve"}))
         (folder / "answer.md").write_text("Twice x is 2.\n")
         (folder / "curve.png").write_bytes(b"png")
         (folder / "items.csv").write_text("item\n1\n")
@@ -195,6 +196,7 @@ def test_finished_runs_are_skipped_unless_forced(lab, monkeypatch):
     assert json.loads((run.output_dir / "parameters.json").read_text()) == run.parameters
     record = json.loads((run.output_dir / RUN_FILE).read_text())
     assert record["status"] == "ok" and record["notebook_sha256"] == notebook_digest(run.notebook)
+    assert len(record["commit"]) == 40 and record["machine"]["isa"]  # what a results record needs of a run
     assert execute(run).status == "skipped" and len(calls) == 1
     assert execute(run, force=True).status == "ok" and len(calls) == 2
 
@@ -232,6 +234,8 @@ def test_index_links_every_run_with_headline_metrics(lab, monkeypatch):
     assert "| double | 2 |" in text and "detail" not in text  # headline metrics only
     assert "> Twice x is 2." in text
     assert f"[curve](01_trivial/{ok.run_id}/curve.png)" in text
+    assert f"![curve](01_trivial/{ok.run_id}/curve.png)" in text  # the headline figure is shown, not only linked
+    assert f'<img src="01_trivial/{ok.run_id}/curve.png"' in (lab / "outputs" / "index.html").read_text()
     assert f"[items](01_trivial/{ok.run_id}/items.csv)" in text
     assert f"`{failed.run_id}` (failed," in text and "RuntimeError: cell failed" in text
     latest = latest_results(lab / "outputs", "01")
@@ -300,6 +304,18 @@ def test_report_metrics_merge_and_convert(tmp_path):
     assert data == {"a": 2, "b": 3, "c": None, "d": [1, {"e": True}], "headline": ["a", "b", "c"]}
     with pytest.raises(SparsedraftError, match="not JSON-ready"):
         report.save_metrics({"x": object()})
+
+
+def test_the_headline_figure_is_the_marked_one_else_the_first(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    report.init(tmp_path / "run")
+    for name, headline in (("first", False), ("second", False)):
+        report.save_figure(plt.figure(), name, headline=headline)
+    assert report.metrics()["headline_figure"] == "first"
+    report.save_figure(plt.figure(), "main", headline=True)
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["headline_figure"] == "main"
 
 
 def test_report_text_and_display_only_mode(tmp_path):

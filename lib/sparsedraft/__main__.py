@@ -88,9 +88,16 @@ def run_bench(args: argparse.Namespace) -> None:
 def add_results_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--readme", default="README.md", help="file whose marked results table is rebuilt")
     parser.add_argument("--records", default=str(RESULTS_DIR), help="folder of records written by bench --record")
+    parser.add_argument("--from-runs", default="", metavar="OUTPUTS",
+                        help="first record the newest finished notebook-05 run of --profile under this folder "
+                             "(e.g. outputs) as the speedup-vs-context record and figure")
+    parser.add_argument("--profile", default="cpu", help="profile of that run (default: cpu, make reproduce's)")
 
 
 def run_results(args: argparse.Namespace) -> None:
+    if args.from_runs:
+        from .runner.results import record_curve
+        print(f"recorded {record_curve(args.from_runs, args.profile, args.records)}", file=sys.stderr)
     print(refresh_readme(args.readme, args.records))
 
 

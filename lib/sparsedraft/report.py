@@ -38,6 +38,7 @@ BAND_SEED = 0
 METRICS_FILE = "metrics.json"
 ANSWER_FILE = "answer.md"
 HEADLINE_KEY = "headline"  # metrics.json: list of the keys the index shows
+HEADLINE_FIGURE_KEY = "headline_figure"  # metrics.json: the figure (stem) the index shows
 
 _state: dict[str, Any] = {"dir": None, "metrics": {}, "headline": []}
 
@@ -113,13 +114,17 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [header, *rows])
 
 
-def save_figure(fig, name: str, dpi: int = 110):
-    """Write ``fig`` to ``<name>.png``, display it once, and close it; returns ``fig``."""
+def save_figure(fig, name: str, dpi: int = 110, headline: bool = False):
+    """Write ``fig`` to ``<name>.png``, display it once, and close it; returns ``fig``.
+
+    The results index shows one figure per run: the one saved with ``headline=True``, else the first saved."""
     import matplotlib.pyplot as plt
     _check_name(name)
     fig = getattr(fig, "figure", fig)  # seaborn FacetGrid / JointGrid carry the matplotlib figure
     if _state["dir"] is not None:
         fig.savefig(_state["dir"] / f"{name}.png", dpi=dpi, bbox_inches="tight")
+    if headline or HEADLINE_FIGURE_KEY not in _state["metrics"]:
+        save_metrics({HEADLINE_FIGURE_KEY: name})
     _display(fig)
     plt.close(fig)
     return fig

@@ -129,7 +129,28 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
     return out
 
 
-RENDERERS: dict[str, Callable[[str, dict[str, Any]], list[list[str]]]] = {"compare": _compare_rows}
+def _curve_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
+    """A notebook-05 curve record (:mod:`sparsedraft.runner.results`): each row carries its own context and AR
+    time, and TriForce's rows name the cost model's prediction beside the measured speedup."""
+    m, result = record["machine"], record["result"]
+    threads = m.get("torch_threads")
+    threads = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+    out = []
+    for row in result["rows"]:
+        match = {True: "yes", False: "**no**", None: "-"}[row.get("tokens_match")]
+        options = ", ".join(f"{k} {v}" for k, v in row["options"].items())
+        predicted = f" (model {row['predicted_speedup']:.2f}x)" if row.get("predicted_speedup") else ""
+        read = row.get("read_gb_s") or m["read_gb_s"]
+        out.append([f"{row['method']} ({options})", result["model"], f"{row['context']:,}",
+                    f"{row['tokens']} greedy", f"{row['ar_ms_per_token']:.1f}", f"{row['ms_per_token']:.1f}",
+                    f"**{row['speedup']:.2f}x**{predicted}", _acceptance(row), match,
+                    f"{record['date'][:10]}, {record['commit'][:7]}{'+' if record['dirty'] else ''}",
+                    f"{m['isa']}{threads}, {read:.1f} GB/s", f"[{name}](docs/results/{name})"])
+    return out
+
+
+RENDERERS: dict[str, Callable[[str, dict[str, Any]], list[list[str]]]] = {"compare": _compare_rows,
+                                                                          "curve": _curve_rows}
 HEADER = ["method (options)", "model", "context", "tokens", "AR ms/tok", "method ms/tok", "speedup",
           "acceptance (per level)", "tokens = AR", "date, commit", "machine: ISA, torch threads, read, load", "record"]
 

@@ -274,6 +274,8 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     write_curve(cfg.run_dir, history)
     record = run_record(cfg, data, history, began, data_seconds, final, provenance)
+    if saved is not None:  # wall time and peak RSS below are this process's only; the steps before were another's
+        record["resumed_from_step"] = saved["step"]
     if evaluate is not None:
         record["measured"] = evaluate(head)
     record["wall_seconds"] = round(time.time() - began, 1)

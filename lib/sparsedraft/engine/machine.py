@@ -147,16 +147,17 @@ def provenance(root: Path | None = None) -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
-def machine_record(read_gb_s: float | None = None) -> dict[str, Any]:
+def machine_record(read_gb_s: float | None = None, measure: bool = True) -> dict[str, Any]:
     """The machine a figure was measured on, as a results record stores it; the read bandwidth is measured here
-    when not given."""
-    if read_gb_s is None or read_gb_s != read_gb_s:  # absent or NaN
+    when not given (``measure=False``: left None, for a caller whose figures carry their own)."""
+    if (read_gb_s is None or read_gb_s != read_gb_s) and measure:  # absent or NaN
         read_gb_s = measure_read_bandwidth("cpu") / 1e9
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
                platform.processor())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other jobs on the cores slow every figure
     return {"isa": best_isa(cpu_flags()), "cpu": cpu, "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "read_gb_s": round(read_gb_s, 2),
+            "torch_threads": torch.get_num_threads(),
+            "read_gb_s": None if read_gb_s is None or read_gb_s != read_gb_s else round(read_gb_s, 2),
             "load_1min": None if load is None else round(load, 2)}
 
 

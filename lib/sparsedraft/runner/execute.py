@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..engine.machine import machine_record, provenance
 from .config import OUTPUT_DIR_PARAM, NotebookRun
 from .html import render_html
 
@@ -139,11 +140,14 @@ def prepare(run: NotebookRun) -> Path:
 
 
 def write_record(run: NotebookRun, status: str, error: str | None, started: datetime, wall: float,
-                 threads: int | None, digest: str | None = None) -> None:
+                 threads: int | None, digest: str | None = None, where: dict[str, Any] | None = None) -> None:
+    """``run.json``; ``where`` is :func:`provenance` taken when the run started (the commit that ran), and the
+    machine is recorded without a bandwidth figure (a notebook's timed tables carry the one measured there)."""
     record = {"notebook": run.name, "run_id": run.run_id, "profile": run.profile, "status": status,
               "error": error, "notebook_sha256": digest or notebook_digest(run.notebook),
               "started": started.isoformat(timespec="seconds"), "wall_s": round(wall, 1), "threads": threads,
-              "kernel": run.kernel, "versions": _versions()}
+              "kernel": run.kernel, "versions": _versions(), **{k: v for k, v in (where or {}).items() if k != "date"},
+              "machine": machine_record(measure=False)}
     (run.output_dir / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -166,6 +170,7 @@ def execute(run: NotebookRun, force: bool = False, timeout_s: int | None = None,
     folder = prepare(run)
     digest = notebook_digest(run.notebook)
     started = datetime.now(timezone.utc)
+    where = provenance()
     start = time.perf_counter()
     error = None
     try:
@@ -186,5 +191,5 @@ def execute(run: NotebookRun, force: bool = False, timeout_s: int | None = None,
         except Exception as exc:
             error = error or f"HTML rendering failed: {_describe(exc)}"
     status = "ok" if error is None else "failed"
-    write_record(run, status, error, started, wall, threads, digest)
+    write_record(run, status, error, started, wall, threads, digest, where)
     return RunOutcome(run, status, wall, error, folder / LOG_FILE if log_file else None)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..report import ANSWER_FILE, HEADLINE_KEY, METRICS_FILE
+from ..report import ANSWER_FILE, HEADLINE_FIGURE_KEY, HEADLINE_KEY, METRICS_FILE
 from .execute import LOG_FILE, PARAMETERS_FILE, RUN_FILE, read_record
 from .html import index_html
 
@@ -102,6 +102,9 @@ def _run_section(folder: Path, record: dict[str, Any], root: Path) -> list[str]:
         lines += ["| metric | value |", "|---|---|"]
         lines += [f"| {k} | {format_value(metrics[k])} |" for k in headline]
         lines.append("")
+    figure = metrics.get(HEADLINE_FIGURE_KEY)
+    if figure and (folder / f"{figure}.png").is_file():
+        lines += [f"![{figure}]({rel}/{figure}.png)", ""]
     if (folder / ANSWER_FILE).is_file():
         lines += [f"> {line}".rstrip() for line in (folder / ANSWER_FILE).read_text().strip().splitlines()]
         lines.append("")

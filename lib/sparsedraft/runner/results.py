@@ -1,0 +1,119 @@
+"""A recorded notebook run as a results record: the README's speedup-vs-context figure and its 8K-32K rows.
+
+The benches write their own records (:mod:`sparsedraft.bench.record`). The
+long-context rows come from notebook 05 instead: its speedup-vs-context grid
+runs every method from one shared 32K prefill, tries several settings per
+context and draws the cost model's prediction beside the measured speedups.
+:func:`record_curve` turns the newest finished run of notebook 05 (of one
+profile, ``cpu`` by default: ``make reproduce``) into
+``docs/results/speedup-vs-context.json`` and copies its figure beside it, with
+the commit, date, machine and wall time the runner recorded for that run, so
+``python -m sparsedraft results --from-runs outputs`` refreshes both the table
+and the figure and nothing in them is typed by hand.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..bench.record import RESULTS_DIR
+from ..errors import require
+from .execute import PARAMETERS_FILE, read_record
+from .index import latest_results
+
+CURVE_RECORD = "speedup-vs-context.json"
+CURVE_FIGURE = "speedup-vs-context.png"
+NOTEBOOK = "05"
+# What the run must hold: the best setting per context, every run of the grid, the level-1 race, the figure.
+BEST, RUNS, RACE, FIGURE = ("speedup_vs_context.csv", "speedup_vs_context_runs.csv", "level1_race.csv",
+                           "speedup_vs_context.png")
+
+
+def _table(path: Path) -> list[dict[str, Any]]:
+    def value(text: str) -> Any:
+        if text in ("", "None"):
+            return None
+        if text in ("True", "False"):
+            return text == "True"
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                return float(text)
+            except ValueError:
+                return text
+    with open(path, newline="") as f:
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _row(method: str, options: dict[str, Any], context: int, run: dict[str, Any], tokens: int) -> dict[str, Any]:
+    acceptance = {level: run[f"acceptance_{level}"] for level in ("level2", "target")
+                  if run.get(f"acceptance_{level}") is not None}
+    return {"method": method, "options": options, "context": context, "tokens": tokens,
+            "ar_ms_per_token": run["ar_ms_per_token"], "ms_per_token": run["ms_per_token"],
+            "speedup": run["speedup"], "acceptance": acceptance, "tokens_match": run["tokens_match"]}
+
+
+def curve_rows(folder: Path) -> list[dict[str, Any]]:
+    """Per context of notebook 05's run in ``folder``: TriForce's and retrieval's best greedy settings (TriForce
+    with the cost model's prediction beside it), then TriForce with the feature drafter at level 1."""
+    best = _table(folder / BEST)
+    runs = [r for r in _table(folder / RUNS) if r["decoding"] == "greedy"]
+    race = _table(folder / RACE) if (folder / RACE).is_file() else []
+    rows = []
+    for b in best:
+        context, tokens = int(b["context"]), int(b.get("new_tokens") or 0)
+        for method in ("triforce", "retrieval"):
+            want = {"budget": b[f"{method}_budget"], "gamma2": b[f"{method}_gamma2"]}
+            if method == "triforce":
+                want["gamma1"] = b["triforce_gamma1"]
+            run = next(r for r in runs if r["context"] == context and r["method"] == method
+                       and all(r[k] == v for k, v in want.items()))
+            options = {"draft": "ngram", **want} if method == "triforce" else \
+                {"budget": want["budget"], "gamma": want["gamma2"]}
+            row = _row(method, options, context, run, tokens)
+            if method == "triforce":
+                row["predicted_speedup"] = b["predicted_speedup"]
+            row["read_gb_s"] = b.get("read_gb_s")
+            rows.append(row)
+        for r in race:
+            if r["context"] == context and r["level1"] == "feature drafter":
+                options = {"draft": "feature", "budget": b["triforce_budget"], "gamma1": b["triforce_gamma1"],
+                           "gamma2": b["triforce_gamma2"]}
+                rows.append({**_row("triforce", options, context, r, tokens), "read_gb_s": r.get("read_gb_s")})
+    return rows
+
+
+def record_curve(outputs: str | Path = "outputs", profile: str = "cpu", folder: str | Path = RESULTS_DIR) -> Path:
+    """Write ``folder/speedup-vs-context.json`` and its figure from the newest finished notebook-05 run of
+    ``profile`` under ``outputs``; one error naming what is missing when no such run holds the curve."""
+    found = latest_results(outputs, NOTEBOOK, profile)
+    require(found is not None, f"no finished run of notebook {NOTEBOOK} with profile {profile!r} under {outputs}: "
+                               f"run `make reproduce` (or `python -m sparsedraft run --profile {profile} "
+                               f"--notebooks {NOTEBOOK}`) first")
+    run_dir = Path(found["run"])
+    missing = [name for name in (BEST, RUNS, FIGURE) if not (run_dir / name).is_file()]
+    require(not missing, f"{run_dir} holds no speedup-vs-context curve ({', '.join(missing)} missing): that run "
+                         "had curve_contexts empty; rerun notebook 05 with curve contexts")
+    run = read_record(run_dir) or {}
+    require(run.get("commit") and run.get("machine"), f"{run_dir}/run.json names no commit or machine (written by "
+                                                      "an older runner); rerun notebook 05 to record them")
+    rows = curve_rows(run_dir)
+    speeds = sorted(r["read_gb_s"] for r in rows if r.get("read_gb_s") is not None)
+    parameters = json.loads((run_dir / PARAMETERS_FILE).read_text())
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(run_dir / FIGURE, out / CURVE_FIGURE)
+    record = {"command": f"python -m sparsedraft run --profile {profile} --notebooks {NOTEBOOK}",
+              "commit": run["commit"], "dirty": run.get("dirty"), "date": run["started"],
+              "machine": {**run["machine"], "read_gb_s": speeds[len(speeds) // 2] if speeds else None,
+                          "torch_threads": run.get("threads") or run["machine"].get("torch_threads")},
+              "result": {"bench": "curve", "run": str(run_dir), "wall_s": run.get("wall_s"),
+                         "model": parameters.get("curve_model"), "figure": CURVE_FIGURE, "rows": rows}}
+    path = out / CURVE_RECORD
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return path
