@@ -155,3 +155,18 @@ def test_greedy_rounds_skip_past_the_bonus_token():
     hits = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
     assert accepted_per_round(hits, 3) == [2, 1, 3]  # rows 0, 3 (0 + 2 + 1), 5 (3 + 1 + 1)
     assert accepted_per_round(hits, 1) == [1, 0, 1, 1]  # rows 0, 2, 3, 5
+
+
+def test_greedy_continuations_are_each_prompts_own_greedy_decode(tmp_path, monkeypatch):
+    """The end-of-run check's continuations, decoded one prompt at a time (a batched 6 x 4K prefill peaked at
+    11.5 GB), are each prompt's plain greedy continuation, with the target's features of every token."""
+    from sparsedraft.budgetdraft import feature_eval
+    from sparsedraft.engine.generate import generate
+    target = tiny_model("llama")
+    rows = torch.randint(0, target.cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(feature_eval, "prompt_tokens", lambda tokenizer, context, split, variant: rows[variant])
+    data = feature_eval.greedy_continuations(target, "tiny", None, tmp_path, prompts=3, context=40, new_tokens=6)
+    assert data.tokens.shape == (3, 46) and data.features.shape == (3, 46, target.cfg.hidden_size)
+    for i in range(3):
+        assert torch.equal(data.tokens[i, 40:], generate(target, rows[i:i + 1], 6).tokens[0, -6:])
+    assert len(list(tmp_path.glob("continuations-*.safetensors"))) == 1

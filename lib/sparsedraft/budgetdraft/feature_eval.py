@@ -107,16 +107,18 @@ def greedy_continuations(target: Transformer, target_id: str, tokenizer: Tokeniz
                          prompts: int = 6, context: int = 4096, new_tokens: int = 160,
                          compute: bool = True) -> Continuations:
     """``prompts`` consecutive held-out essay prompts of ``context`` tokens and ``new_tokens`` greedy tokens
-    after each (cached on disk, keyed by the target and the prompts)."""
+    after each (cached on disk, keyed by the target and the prompts). One prompt per decode: a batched prefill
+    of six 4K prompts peaked at 11.5 GB (its chunks' attention scores are per row), one at a time at a sixth."""
     rows = torch.stack([prompt_tokens(tokenizer, context, split="heldout", variant=i) for i in range(prompts)])
     key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
            "dtype": str(target.dtype), "prompts": hashlib.sha256(rows.numpy().tobytes()).hexdigest(),
-           "new_tokens": new_tokens}
+           "new_tokens": new_tokens, "rows_per_decode": 1}
     path = Path(cache_dir) / f"continuations-{digest(key)}.safetensors"
     if not path.is_file():
         require(compute, f"the greedy continuations are not cached (expected {path})")
-        out = continue_with_teacher(target, rows, new_tokens, prompt_teacher=False)
-        save_tensors({"tokens": out["tokens"], "features": out["features"]}, path,
+        outs = [continue_with_teacher(target, row[None], new_tokens, prompt_teacher=False) for row in rows]
+        save_tensors({"tokens": torch.cat([o["tokens"] for o in outs]),
+                      "features": torch.cat([o["features"] for o in outs])}, path,
                      {"key": json.dumps(key, default=str)})
     stored = load_file(str(path))
     return Continuations(stored["tokens"], stored["features"], context)
