@@ -160,3 +160,21 @@ def test_the_curve_record_refuses_a_run_without_commit_or_curve(tmp_path):
     (run / "speedup_vs_context.png").unlink()
     with pytest.raises(SparsedraftError, match="speedup_vs_context.png missing"):
         record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
+
+
+def test_the_reproduce_record_carries_the_runners_timing(tmp_path):
+    from sparsedraft.runner.results import record_timing
+    outputs = tmp_path / "outputs"
+    with pytest.raises(SparsedraftError, match="no timing in"):
+        record_timing(outputs, "cpu", tmp_path / "results")
+    outputs.mkdir()
+    (outputs / "run-cpu.json").write_text(json.dumps({
+        "profile": "cpu", "commit": "ab" * 20, "dirty": False, "date": "2026-12-04T16:00:00Z", "wall_s": 3000.0,
+        "peak_rss_mb": 5400, "machine": {"isa": "AVX2+FMA", "read_gb_s": None}, "threads": None,
+        "notebooks": [{"notebook": "01_bottleneck_shift", "status": "ok", "wall_s": 250.0, "run": "x"}]}))
+    (tmp_path / "results").mkdir()
+    record = json.loads(record_timing(outputs, "cpu", tmp_path / "results", read_gb_s=21.5).read_text())
+    assert record["result"]["wall_s"] == 3000.0 and record["result"]["rows"][0]["wall_s"] == 250.0
+    assert record["machine"]["read_gb_s"] == 21.5
+    assert load_records(tmp_path / "results")  # a valid record; the results table has no row for it
+    assert render_table(load_records(tmp_path / "results")).count("\n") == 1

@@ -139,6 +139,10 @@ def test_local_backend_runs_in_worker_processes_and_reports_a_failure_with_its_l
                  "--only", "01"]) == 0
     serial = next((lab / "serial" / "01_trivial").iterdir())
     assert {p.name for p in serial.iterdir()} == local_files and serial.name == good.name
+    timing = json.loads((lab / "serial" / "run-test.json").read_text())  # the command's own timing record
+    assert [n["notebook"] for n in timing["notebooks"]] == ["01_trivial"] and timing["notebooks"][0]["status"] == "ok"
+    assert timing["wall_s"] >= timing["notebooks"][0]["wall_s"] > 0 and timing["peak_rss_mb"] > 0
+    assert len(timing["commit"]) == 40 and timing["machine"]["isa"]
     assert main(args_for(lab, "--profile", "test", "--jobs", "2", "--only", "01")) == 0
     assert "skipped" in capsys.readouterr().out
 

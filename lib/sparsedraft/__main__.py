@@ -90,14 +90,18 @@ def add_results_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", default=str(RESULTS_DIR), help="folder of records written by bench --record")
     parser.add_argument("--from-runs", default="", metavar="OUTPUTS",
                         help="first record the newest finished notebook-05 run of --profile under this folder "
-                             "(e.g. outputs) as the speedup-vs-context record and figure")
+                             "(e.g. outputs) as the speedup-vs-context record and figure, and the runner's "
+                             "timing of that profile (run-<profile>.json) as its reproduce record")
     parser.add_argument("--profile", default="cpu", help="profile of that run (default: cpu, make reproduce's)")
 
 
 def run_results(args: argparse.Namespace) -> None:
     if args.from_runs:
-        from .runner.results import record_curve
-        print(f"recorded {record_curve(args.from_runs, args.profile, args.records)}", file=sys.stderr)
+        from .runner.results import record_curve, record_timing
+        curve = record_curve(args.from_runs, args.profile, args.records)
+        read = json.loads(curve.read_text())["machine"]["read_gb_s"]
+        timing = record_timing(args.from_runs, args.profile, args.records, read)
+        print(f"recorded {curve} and {timing}", file=sys.stderr)
     print(refresh_readme(args.readme, args.records))
 
 

@@ -10,7 +10,8 @@ processes, or Ray); a finished run with the same parameters is skipped unless
 ``--force``, so a killed sweep resumes where it stopped. Summary notebooks that
 read the others' results run after them, and rerun whenever one of them ran.
 At the end ``outputs/README.md`` is rewritten to link every run with its
-headline metrics. Exit status: 0 when every selected run finished (or was
+headline metrics, and ``outputs/run-<profile>.json`` records the command's wall time, each notebook's
+and the peak memory. Exit status: 0 when every selected run finished (or was
 skipped), 1 when one failed (each failure is printed with the tail of its
 log), 2 on a configuration error.
 """
@@ -19,8 +20,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import resource
+import time
 from pathlib import Path
+from typing import Any
 
+from ..engine.machine import machine_record, provenance
 from ..errors import require
 from ..progress import bars_on
 from .backends import BACKENDS, Settings, log_tail, make_backend
@@ -94,6 +100,7 @@ def run_notebooks(args: argparse.Namespace) -> int:
     settings = Settings(cfg.timeout_s, cfg.threads, args.log_output, args.progress_bar)
     backend = make_backend(args.backend, settings, args.jobs, args.address, args.ray_cpus)
     failed = ran = 0
+    began, where, outcomes = time.perf_counter(), provenance(), []
     # what will run, as far as it is known now (a summary notebook reruns only when another ran)
     unfinished = {r for r in runs if cfg.force or not is_finished(r)}
     likely = [r for r in runs if r in unfinished or (r.reads_outputs and any(not o.reads_outputs for o in unfinished))]
@@ -108,6 +115,7 @@ def run_notebooks(args: argparse.Namespace) -> int:
                     print(f"{run.name}: skipped (finished: {run.output_dir})", flush=True)
             for outcome in backend.run(todo):
                 report(outcome)
+                outcomes.append(outcome)
                 overall.done(outcome.run)
                 failed += outcome.status == "failed"
                 ran += 1
@@ -115,7 +123,24 @@ def run_notebooks(args: argparse.Namespace) -> int:
         overall.close()
         backend.close()
         print(f"index: {write_index(cfg.outputs_dir)}")
+        if ran:
+            print(f"timing: {write_timing(cfg, outcomes, time.perf_counter() - began, where)}")
     return 1 if failed else 0
+
+
+def write_timing(cfg: RunConfig, outcomes: list[RunOutcome], wall_s: float, where: dict[str, Any]) -> Path:
+    """``<outputs>/run-<profile>.json``: this command's wall time, each notebook's, and the peak resident memory
+    of its largest process (a notebook kernel, or this one), with the commit it started from and the machine;
+    ``python -m sparsedraft results --from-runs`` makes it the record of the README's "the hour" figure."""
+    peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    record = {"profile": cfg.profile, **where, "wall_s": round(wall_s, 1), "peak_rss_mb": round(peak_kb / 1024),
+              "machine": machine_record(measure=False), "threads": cfg.threads,
+              "notebooks": [{"notebook": o.run.name, "status": o.status, "wall_s": round(o.wall_s, 1),
+                             "run": str(o.run.output_dir)} for o in outcomes]}
+    path = Path(cfg.outputs_dir) / f"run-{cfg.profile}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
 
 
 RUN_PACKAGES = ("papermill", "nbconvert", "jupyter_client")

@@ -26,6 +26,7 @@ from .execute import PARAMETERS_FILE, read_record
 from .index import latest_results
 
 CURVE_RECORD = "speedup-vs-context.json"
+TIMING_RECORD = "reproduce-{profile}.json"
 CURVE_FIGURE = "speedup-vs-context.png"
 NOTEBOOK = "05"
 # What the run must hold: the best setting per context, every run of the grid, the level-1 race, the figure.
@@ -116,4 +117,23 @@ def record_curve(outputs: str | Path = "outputs", profile: str = "cpu", folder: 
                          "model": parameters.get("curve_model"), "figure": CURVE_FIGURE, "rows": rows}}
     path = out / CURVE_RECORD
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return path
+
+
+def record_timing(outputs: str | Path = "outputs", profile: str = "cpu", folder: str | Path = RESULTS_DIR,
+                  read_gb_s: float | None = None) -> Path:
+    """``folder/reproduce-<profile>.json`` from ``outputs/run-<profile>.json`` (the runner's timing of its last
+    command that ran notebooks): wall time, each notebook's, peak RSS. ``read_gb_s``: the bandwidth measured
+    in that run's own timed steps (the curve record's), since the runner measures none."""
+    source = Path(outputs) / f"run-{profile}.json"
+    require(source.is_file(), f"no timing in {source}: run `python -m sparsedraft run --profile {profile}` "
+                              "(make reproduce) first")
+    run = json.loads(source.read_text())
+    require(run.get("commit") and run.get("machine"), f"{source} names no commit or machine; rerun the notebooks")
+    record = {"command": f"python -m sparsedraft run --profile {profile}", "commit": run["commit"],
+              "dirty": run.get("dirty"), "date": run["date"], "machine": {**run["machine"], "read_gb_s": read_gb_s},
+              "result": {"bench": "reproduce", "profile": profile, "wall_s": run["wall_s"],
+                         "peak_rss_mb": run["peak_rss_mb"], "threads": run.get("threads"), "rows": run["notebooks"]}}
+    path = Path(folder) / TIMING_RECORD.format(profile=profile)
+    path.write_text(json.dumps(record, indent=1) + "\n")
     return path
