@@ -340,7 +340,8 @@ def test_report_writes_tables_and_figures(tmp_path):
     report.save_table(frame, "curve", show=False)
     report.save_figure(report.line_figure(frame, "x", "y", hue="kind", logx=True, hline=0.5), "curve")
     report.save_figure(report.bar_figure(frame, "kind", "y"), "bars")
-    assert {p.name for p in tmp_path.iterdir()} == {"curve.csv", "curve.png", "bars.png"}
+    assert {p.name for p in tmp_path.iterdir()} == {"curve.csv", "curve.png", "bars.png", "metrics.json"}
+    assert json.loads((tmp_path / "metrics.json").read_text())["headline_figure"] == "curve"  # the first figure
 
 
 def test_shipped_paper_results_table():
