@@ -227,6 +227,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     record; ``callback`` sees each step's history entry after its checkpoint; ``provenance=False`` leaves
     the commit and the machine (git and a bandwidth measurement: seconds) out of the record."""
     began = time.time()
+    started = machine.provenance() if provenance else {}  # the commit that runs is the one checked out now
     progress = progress and bars_on()
     saved = check_resumable(cfg)
     torch.manual_seed(cfg.seed)
@@ -273,7 +274,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     history.append({"step": step, "tokens": 0, "eval": final})
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     write_curve(cfg.run_dir, history)
-    record = run_record(cfg, data, history, began, data_seconds, final, provenance)
+    record = run_record(cfg, data, history, began, data_seconds, final, started if provenance else None)
     if saved is not None:  # wall time and peak RSS below are this process's only; the steps before were another's
         record["resumed_from_step"] = saved["step"]
     if evaluate is not None:
@@ -291,11 +292,12 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
 
 
 def run_record(cfg: FeatureTrainConfig, data: FeatureData, history: list[dict[str, Any]], began: float,
-               data_seconds: float, final: dict[str, float], provenance: bool = True) -> dict[str, Any]:
+               data_seconds: float, final: dict[str, float], started: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     """What the drafter folder says about how it was made (the target's fingerprint is added on save)."""
     trained = [e for e in history if "seconds" in e]
     seconds = sum(e["seconds"] for e in trained)
-    where = {**machine.provenance(), "machine": machine.machine_record()} if provenance else {}
+    where = {**started, "machine": machine.machine_record()} if started is not None else {}
     return {"recipe": cfg.to_dict(), "command": "python -m sparsedraft " + shlex.join(sys.argv[1:]),
             **where, "data": data.sizes(), "feature_scale": data.scale,
             "data_seconds": round(data_seconds, 1), "train_seconds": round(seconds, 1), "steps": cfg.steps,
