@@ -169,6 +169,7 @@ class RetrievalCache(KVCache):
             index = tokens[..., None].expand(-1, -1, -1, self.cfg.head_dim)
             self.k[layer][:, :, :kept * cs] = full.k[layer].gather(2, index)
             self.v[layer][:, :, :kept * cs] = full.v[layer].gather(2, index)
+            self._stored(layer, slice(0, kept * cs))
         self.chunk_slots, self.written, self.spec = kept * cs, 0, 0
         self.base = complete * cs
         self._write_recent(full)
@@ -212,8 +213,12 @@ class RetrievalCache(KVCache):
         for layer in range(len(self.k)):
             self.k[layer].index_copy_(2, slots, full.k[layer][:, :, start:stop])
             self.v[layer].index_copy_(2, slots, full.v[layer][:, :, start:stop])
+            self._stored(layer, slots)
         self.written += stop - self.base
         self.base = stop
+
+    def _stored(self, layer: int, slots: torch.Tensor | slice) -> None:
+        """Hook: ``slots`` of the budget region of ``layer`` were just written (a quantised view re-stores them)."""
 
     def valid_slots(self) -> torch.Tensor:
         """bool [budget]: which budget slots hold a token (retrieved chunk or recent token)."""

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..caches import MovingAverage, RebuildPolicy, RetrievalCache, StreamingCache, rebuild_policy
+from ..caches.kv_quant import QuantizedRetrievalCache, check_draft_kv
 from ..engine.model import Capture, Transformer
 from ..engine.prefill import check_prompt, prefill
 from ..engine.quant import draft_copy
@@ -166,12 +168,16 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
 
 
 def retrieval_drafter(target: Transformer, gamma: int, budget: int, chunk_size: int,
-                      group_reduce: str = "sum", draft_weights: str = "same") -> RetrievalDrafter:
+                      group_reduce: str = "sum", draft_weights: str = "same",
+                      draft_kv: str = "same") -> RetrievalDrafter:
     """The target drafting for itself over a retrieval cache (at most ``gamma`` level-2 tokens between syncs),
     with its weights as ``draft_weights`` (:func:`~sparsedraft.engine.quant.draft_copy`; the cache still follows the
-    full-precision target's)."""
-    cache = RetrievalCache(target.cfg, budget, chunk_size, spec_slots=gamma, dtype=target.dtype,
-                           device=target.device, group_reduce=group_reduce)
+    full-precision target's) and the cache's values stored as ``draft_kv``
+    (:class:`~sparsedraft.caches.kv_quant.QuantizedRetrievalCache`, quantised from the target's own KV)."""
+    check_draft_kv(draft_kv, target.cfg)
+    kind = RetrievalCache if draft_kv == "same" else partial(QuantizedRetrievalCache, draft_kv=draft_kv)
+    cache = kind(target.cfg, budget, chunk_size, spec_slots=gamma, dtype=target.dtype, device=target.device,
+                 group_reduce=group_reduce)
     return RetrievalDrafter(draft_copy(target, draft_weights), cache)
 
 
@@ -179,10 +185,11 @@ def retrieval(target: Transformer, prompt: torch.Tensor, max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), *, gamma: int = 6, budget: int = 4096,
               chunk_size: int = 8, rebuild: RebuildPolicy | str = "never", group_reduce: str = "sum",
               acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None,
-              prefilled: PrefilledPrompt | None = None, draft_weights: str = "same") -> SpecResult:
+              prefilled: PrefilledPrompt | None = None, draft_weights: str = "same",
+              draft_kv: str = "same") -> SpecResult:
     """Retrieval without hierarchy: target + retrieval cache drafts ``gamma`` tokens for the full target."""
     _check_budget(prompt, budget)
-    drafter = retrieval_drafter(target, gamma, budget, chunk_size, group_reduce, draft_weights)
+    drafter = retrieval_drafter(target, gamma, budget, chunk_size, group_reduce, draft_weights, draft_kv)
     return speculative(target, drafter, prompt, max_new_tokens, gamma, sampling, rebuild=rebuild,
                        acceptance=acceptance, eos_token_id=eos_token_id, prefilled=prefilled)
 
@@ -190,14 +197,15 @@ def retrieval(target: Transformer, prompt: torch.Tensor, max_new_tokens: int,
 def triforce_drafter(target: Transformer, draft_model: Transformer | Drafter, gamma1: int, gamma2: int, budget: int,
                      chunk_size: int, sink: int, window: int, group_reduce: str = "sum",
                      draft_positions: str = "cache", acceptance: AcceptanceRule = standard_acceptance,
-                     draft_weights: str = "same") -> SpeculativeDrafter:
+                     draft_weights: str = "same", draft_kv: str = "same") -> SpeculativeDrafter:
     """Levels 1 and 2 of TriForce as one drafter for the full-cache target.
 
     Level 1 is ``draft_model`` over a StreamingLLM cache, or any ready
     :class:`Drafter` (e.g. prompt lookup, which needs no model). It may roll
     back up to ``gamma1 + gamma2`` tokens (a level-3 rejection undoes a whole
     level-2 proposal plus the round in flight); level 2 holds at most
-    ``gamma2`` speculative tokens between syncs. Level 2 reads the target's weights as ``draft_weights``.
+    ``gamma2`` speculative tokens between syncs. Level 2 reads the target's weights as ``draft_weights`` and
+    its retrieval cache as ``draft_kv``.
     """
     require(gamma1 >= 1 and gamma2 >= 1, f"gamma1 and gamma2 must be >= 1, got gamma1={gamma1}, gamma2={gamma2}")
     if isinstance(draft_model, Drafter):
@@ -206,7 +214,7 @@ def triforce_drafter(target: Transformer, draft_model: Transformer | Drafter, ga
         level1 = ModelDrafter(draft_model, StreamingCache(
             draft_model.cfg, sink, window, spec_slots=gamma1 + gamma2, dtype=draft_model.dtype,
             device=draft_model.device, rotary=draft_model.rotary, positions=draft_positions))
-    level2 = retrieval_drafter(target, gamma2, budget, chunk_size, group_reduce, draft_weights)
+    level2 = retrieval_drafter(target, gamma2, budget, chunk_size, group_reduce, draft_weights, draft_kv)
     return SpeculativeDrafter(level2, level1, gamma1, acceptance, RETRIEVAL_LEVEL)
 
 
@@ -215,7 +223,8 @@ def triforce(target: Transformer, draft_model: Transformer | Drafter, prompt: to
              budget: int = 4096, chunk_size: int = 8, sink: int = 16, window: int = 240,
              rebuild: RebuildPolicy | str = "never", group_reduce: str = "sum", draft_positions: str = "cache",
              acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None,
-             prefilled: PrefilledPrompt | None = None, draft_weights: str = "same") -> SpecResult:
+             prefilled: PrefilledPrompt | None = None, draft_weights: str = "same",
+             draft_kv: str = "same") -> SpecResult:
     """Three levels: draft + streaming cache (gamma1) -> target + retrieval cache (gamma2) -> full target.
 
     Defaults follow the paper (gamma1 = 2, gamma2 = 6, budget 4096 in chunks of
@@ -223,7 +232,7 @@ def triforce(target: Transformer, draft_model: Transformer | Drafter, prompt: to
     """
     _check_budget(prompt, budget)
     drafter = triforce_drafter(target, draft_model, gamma1, gamma2, budget, chunk_size, sink, window,
-                               group_reduce, draft_positions, acceptance, draft_weights)
+                               group_reduce, draft_positions, acceptance, draft_weights, draft_kv)
     return speculative(target, drafter, prompt, max_new_tokens, gamma2, sampling, rebuild=rebuild,
                        acceptance=acceptance, eos_token_id=eos_token_id, prefilled=prefilled)
 

@@ -27,6 +27,7 @@ from ..engine.config import ModelConfig
 from ..engine.generate import GenerationResult, generate
 from ..engine.model import Transformer
 from ..engine.prefilled import PrefilledPrompt
+from ..caches.kv_quant import DRAFT_KV, check_draft_kv
 from ..engine.quant import DRAFT_WEIGHTS, check_draft_weights, draft_copy
 from ..engine.sampling import SamplingConfig
 from ..errors import SparsedraftError, require
@@ -106,6 +107,9 @@ def _check_draft_vocab_size(draft_vocab: int, cfg: ModelConfig) -> None:
                                           f"({cfg.vocab_size}); 0 keeps the full head")
 
 
+DRAFT_KV_HELP = ("values of the retrieval cache a self-draft level reads: same (the target's dtype), int8 (a scale "
+                 "per token and KV head) or int4 (a scale per 32 values), quantised from the target's own KV; the "
+                 "verifier's cache keeps its precision")
 DRAFT_WEIGHTS_HELP = ("weights of a draft level that is the target itself: same (the target's), bf16, int8 or int4 "
                       "(group-wise; CPU): a copy made once per model; the verifier keeps its own, so greedy tokens "
                       "stay the target's")
@@ -240,9 +244,11 @@ class RetrievalCacheOptions:
                                                                "of the full cache: MagicDec's self-speculation)",
                                                        "choices": GROUP_REDUCTIONS})
     draft_weights: str = field(default="same", metadata={"help": DRAFT_WEIGHTS_HELP, "choices": DRAFT_WEIGHTS})
+    draft_kv: str = field(default="same", metadata={"help": DRAFT_KV_HELP, "choices": DRAFT_KV})
 
     def __post_init__(self) -> None:
         check_draft_weights(self.draft_weights)
+        check_draft_kv(self.draft_kv)
         require(self.group_reduce in GROUP_REDUCTIONS,
                 f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
         rebuild_policy(self.rebuild)  # raises on a malformed policy
@@ -250,6 +256,7 @@ class RetrievalCacheOptions:
     def check(self, cfg: ModelConfig, prompt_len: int) -> None:
         _check_budget(self.budget, self.chunk_size, prompt_len)
         check_draft_weights(self.draft_weights, cfg)
+        check_draft_kv(self.draft_kv, cfg)
 
 
 @dataclass(frozen=True)
@@ -383,7 +390,7 @@ def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: S
                   opts: RetrievalOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     return retrieval(target, prompt, n, sampling, gamma=opts.gamma, budget=opts.budget, chunk_size=opts.chunk_size,
                      rebuild=opts.rebuild, group_reduce=opts.group_reduce, eos_token_id=eos, prefilled=prefilled,
-                     draft_weights=opts.draft_weights)
+                     draft_weights=opts.draft_weights, draft_kv=opts.draft_kv)
 
 
 def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
@@ -392,7 +399,7 @@ def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sa
     return triforce(target, level1, prompt, n, sampling, gamma1=opts.gamma1, gamma2=opts.gamma2, budget=opts.budget,
                     chunk_size=opts.chunk_size, sink=opts.sink, window=opts.window, rebuild=opts.rebuild,
                     group_reduce=opts.group_reduce, draft_positions=opts.draft_positions, eos_token_id=eos,
-                    prefilled=prefilled, draft_weights=opts.draft_weights)
+                    prefilled=prefilled, draft_weights=opts.draft_weights, draft_kv=opts.draft_kv)
 
 
 @dataclass(frozen=True)
