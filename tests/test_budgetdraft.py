@@ -135,13 +135,25 @@ def test_the_chunk_rule_is_a_training_option_that_leaves_existing_run_names_alon
         TrainConfig(scoring="mean")
 
 
-def test_a_default_shaped_run_lives_in_the_default_folder_that_budgetdraft_reads():
-    from sparsedraft.speculative.methods import BudgetDraftOptions
+def test_a_default_shaped_run_lives_in_the_default_folder():
     default = TrainConfig()
-    assert default.run_dir == Path("outputs/budgetdraft/default") == Path(BudgetDraftOptions().draft)
+    assert default.run_dir == Path("outputs/budgetdraft/default")
     # steps, evaluation and checkpointing do not shape the weights: still the default run (extended or resumed)
     assert TrainConfig(steps=300, eval_every=0, final_context=0).run_dir == default.run_dir
     other = TrainConfig(lam=0.0)
     assert other.run_dir == Path("outputs/budgetdraft") / other.run_name != default.run_dir
     assert TrainConfig(out_dir="elsewhere").run_dir == Path("elsewhere")
     assert default.verifier == "smollm2-135m-yarn32k"  # its RoPE lets the drafter draft past 8K
+
+
+def test_budgetdraft_drafts_with_the_committed_feature_drafter_by_default(tmp_path, monkeypatch):
+    """Its default is where make reproduce copies the committed feature drafter; missing, one error says how to
+    get it, before any forward."""
+    from sparsedraft import decode
+    from sparsedraft.speculative.methods import COMMITTED_DRAFTER, DEFAULT_DRAFTER, BudgetDraftOptions
+    from sparsedraft.speculative.loading import drafter_kind
+    assert BudgetDraftOptions().draft == DEFAULT_DRAFTER == "outputs/drafters/feature"
+    assert drafter_kind(str(Path(__file__).resolve().parents[1] / COMMITTED_DRAFTER)) == "feature"
+    monkeypatch.chdir(tmp_path)  # no outputs/ here
+    with pytest.raises(SparsedraftError, match="make reproduce"):
+        decode(tiny_model("llama", 0), torch.randint(0, 256, (1, 64)), "budgetdraft", 4)

@@ -15,19 +15,20 @@ Defaults are the best settings measured on a 2-core CPU with SmolLM2 at 8K
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..caches import StreamingCache, rebuild_policy
 from ..caches.budget import SCORINGS
+from ..caches.kv_quant import DRAFT_KV, check_draft_kv
 from ..caches.retrieval import GROUP_REDUCTIONS
 from ..caches.streaming import POSITION_MODES
 from ..engine.config import ModelConfig
 from ..engine.generate import GenerationResult, generate
 from ..engine.model import Transformer
 from ..engine.prefilled import PrefilledPrompt
-from ..caches.kv_quant import DRAFT_KV, check_draft_kv
 from ..engine.quant import DRAFT_WEIGHTS, check_draft_weights, draft_copy
 from ..engine.sampling import SamplingConfig
 from ..errors import SparsedraftError, require
@@ -82,6 +83,9 @@ def _chunk_scoring(draft: Any, chunk_scoring: str) -> str:
 def _check_draft_source(draft: Any, cfg: ModelConfig) -> None:
     """A draft named by a string must be findable before anything loads (an HF id may download here); a
     trained drafter's folder must be readable and trained for this verifier."""
+    require(draft != DEFAULT_DRAFTER or Path(draft).is_dir(),
+            f"no drafter in {DEFAULT_DRAFTER} (budgetdraft's default): `make reproduce` copies the committed one "
+            f"there, or pass draft {COMMITTED_DRAFTER} (a feature drafter for smollm2-135m-yarn32k)")
     if isinstance(draft, str) and drafter_kind(draft):
         check_trained_for(draft, cfg)
         return
@@ -107,6 +111,10 @@ def _check_draft_vocab_size(draft_vocab: int, cfg: ModelConfig) -> None:
                                           f"({cfg.vocab_size}); 0 keeps the full head")
 
 
+# budgetdraft drafts with the trained feature drafter by default: the committed one (make drafter), which make
+# reproduce copies to where benches and notebooks look
+COMMITTED_DRAFTER = "data/drafters/feature"
+DEFAULT_DRAFTER = "outputs/drafters/feature"
 DRAFT_KV_HELP = ("values of the retrieval cache a self-draft level reads: same (the target's dtype), int8 (a scale "
                  "per token and KV head) or int4 (a scale per 32 values), quantised from the target's own KV; the "
                  "verifier's cache keeps its precision")
@@ -208,8 +216,9 @@ class SpecOptions(StreamingDraftOptions):
 class BudgetDraftOptions:
     """A BudgetDraft drafter over its budgeted sparse cache drafts for the full target."""
 
-    draft: str = field(default="outputs/budgetdraft/default", metadata={
-        "help": "a BudgetDraft run folder or a feature drafter folder (train-drafter), a model source, or from "
+    draft: str = field(default=DEFAULT_DRAFTER, metadata={
+        "help": "a feature drafter folder (default: the committed one, which make reproduce copies to "
+                f"{DEFAULT_DRAFTER}) or a BudgetDraft run folder (train-drafter), a model source, or from "
                 "Python a Transformer"})
     budget: int = field(default=1024, metadata={"help": "drafter KV budget in tokens (multiple of chunk_size)"})
     chunk_size: int = field(default=8, metadata={"help": "chunk size of the budget cache"})
