@@ -36,3 +36,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_forward(monkeypatch):
+    """Any model forward fails the test: bad input must be refused before heavy work."""
+    from sparsedraft.engine.model import Transformer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a forward ran before the input was refused")
+    monkeypatch.setattr(Transformer, "forward", refuse)

@@ -222,13 +222,6 @@ def test_always_accept_mutant_fails_the_row_law():
 
 # ---- bad input: one clear error before any forward ------------------------------------------------
 
-@pytest.fixture
-def no_forward(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a forward ran before the batch was refused")
-    monkeypatch.setattr(Transformer, "forward", refuse)
-
-
 class PadTokenizer:
     pad_token_id = 0
 

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from sparsedraft import decode
-from sparsedraft.__main__ import build_parser
 from sparsedraft.caches import RetrievalCache
 from sparsedraft.caches.kv_quant import QuantizedKV, QuantizedRetrievalCache
 from sparsedraft.engine.cache import StaticCache
-from sparsedraft.engine.model import Capture, Transformer
+from sparsedraft.engine.model import Capture
 from sparsedraft.engine.tiny import tiny_model
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.speculative.methods import method_options
@@ -79,21 +78,3 @@ def test_greedy_tokens_equal_ar_with_a_quantised_retrieval_cache(family, method,
 def test_bad_draft_kv_fails_when_the_options_are_built(options, match):
     with pytest.raises(SparsedraftError, match=match):
         method_options("retrieval", **options)
-
-
-def test_int4_on_a_head_size_that_is_not_whole_groups_fails_before_any_forward(monkeypatch):
-    target = tiny_model("qwen2", 0, hidden_size=48, num_attention_heads=2, num_key_value_heads=1)
-    assert target.cfg.head_dim % 32
-
-    def no_forward(*args, **kwargs):
-        raise AssertionError("a forward ran before the options were checked")
-    monkeypatch.setattr(Transformer, "forward", no_forward)
-    with pytest.raises(SparsedraftError, match="draft_kv int4 groups 32 values"):
-        decode(target, prompt(), "retrieval", 8, draft_kv="int4", **RUNS["retrieval"])
-
-
-def test_the_bench_flag_has_the_option_name():
-    args = build_parser().parse_args(["bench", "triforce", "--draft-kv", "int4"])
-    assert args.draft_kv == "int4"
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "retrieval", "--draft-kv", "int3"])

@@ -1,6 +1,7 @@
 """Quantised self-drafts (``draft_weights``): a draft level that is the target itself reads int8, int4 or bf16
 copies of its weights, the verifier keeps its own, so greedy output equals plain greedy token for token.
-Tiny random models in process; bad values fail before any forward."""
+Tiny random models in process; bad values of it and of ``draft_kv`` (tests/test_draft_kv.py) fail before any
+forward."""
 
 import pytest
 import torch
@@ -9,7 +10,6 @@ from sparsedraft import decode
 from sparsedraft.__main__ import build_parser
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.speculative.methods import method_options
-from sparsedraft.engine.model import Transformer
 from sparsedraft.engine.quant import Int4Linear, draft_copy
 from sparsedraft.engine.tiny import tiny_model
 
@@ -67,18 +67,20 @@ def test_bad_draft_weights_fail_when_the_options_are_built(method, options, matc
         method_options(method, **options)
 
 
-def test_int4_on_a_model_whose_widths_are_not_whole_groups_fails_before_any_forward(monkeypatch):
-    target = tiny_model("qwen2", 0, hidden_size=48, intermediate_size=96)
+@pytest.mark.parametrize("widths, option, message", [
+    (dict(hidden_size=48, intermediate_size=96), dict(draft_weights="int4"), "int4 groups 32 input features"),
+    (dict(hidden_size=48, num_attention_heads=2, num_key_value_heads=1), dict(draft_kv="int4"),
+     "draft_kv int4 groups 32 values"),  # head_dim 24
+])
+def test_int4_on_widths_that_are_not_whole_groups_fails_before_any_forward(no_forward, widths, option, message):
+    target = tiny_model("qwen2", 0, **widths)
+    with pytest.raises(SparsedraftError, match=message):
+        decode(target, prompt(), "retrieval", 8, **option, **RUNS["retrieval"])
 
-    def no_forward(*args, **kwargs):
-        raise AssertionError("a forward ran before the options were checked")
-    monkeypatch.setattr(Transformer, "forward", no_forward)
-    with pytest.raises(SparsedraftError, match="int4 groups 32 input features"):
-        decode(target, prompt(), "retrieval", 8, draft_weights="int4", **RUNS["retrieval"])
 
-
-def test_the_bench_flag_has_the_option_name():
-    args = build_parser().parse_args(["bench", "triforce", "--draft-weights", "int8"])
-    assert args.draft_weights == "int8"
+@pytest.mark.parametrize("flag, good, bad", [("draft-weights", "int8", "int2"), ("draft-kv", "int4", "int3")])
+def test_the_bench_flags_have_the_option_names(flag, good, bad):
+    args = build_parser().parse_args(["bench", "triforce", f"--{flag}", good])
+    assert getattr(args, flag.replace("-", "_")) == good
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "retrieval", "--draft-weights", "int2"])
+        build_parser().parse_args(["bench", "retrieval", f"--{flag}", bad])
