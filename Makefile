@@ -60,7 +60,7 @@ test-all: install
 
 reproduce: install
 	mkdir -p $(dir $(DRAFTER_OUT)) && rm -rf $(DRAFTER_OUT) && cp -r $(DRAFTER) $(DRAFTER_OUT)
-	$(BIN)/python -m sparsedraft run --profile $(PROFILE) $(if $(filter-out 0,$(THREADS)),--threads $(THREADS))
+	$(BIN)/python -m sparsedraft run --profile $(PROFILE) --measure-machine $(if $(filter-out 0,$(THREADS)),--threads $(THREADS))
 
 # The committed default feature drafter (issue 26), retrained from scratch: teacher data cached under data/cache,
 # then training, within an hour of 2 CPU cores. `make reproduce` copies it to where benches and notebooks read it.

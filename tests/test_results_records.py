@@ -176,5 +176,10 @@ def test_the_reproduce_record_carries_the_runners_timing(tmp_path):
     record = json.loads(record_timing(outputs, "cpu", tmp_path / "results", read_gb_s=21.5).read_text())
     assert record["result"]["wall_s"] == 3000.0 and record["result"]["rows"][0]["wall_s"] == 250.0
     assert record["machine"]["read_gb_s"] == 21.5
+    measured = json.loads((outputs / "run-cpu.json").read_text())  # --measure-machine: the run's own bandwidth wins
+    measured["machine"] = {"isa": "AVX2+FMA", "read_gb_s": 17.0, "peak_gflops_fp32": 30.0}
+    (outputs / "run-cpu.json").write_text(json.dumps(measured))
+    record = json.loads(record_timing(outputs, "cpu", tmp_path / "results", read_gb_s=21.5).read_text())
+    assert record["machine"]["read_gb_s"] == 17.0 and record["machine"]["peak_gflops_fp32"] == 30.0
     assert load_records(tmp_path / "results")  # a valid record; the results table has no row for it
     assert render_table(load_records(tmp_path / "results")).count("\n") == 1

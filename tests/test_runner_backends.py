@@ -142,7 +142,7 @@ def test_local_backend_runs_in_worker_processes_and_reports_a_failure_with_its_l
     timing = json.loads((lab / "serial" / "run-test.json").read_text())  # the command's own timing record
     assert [n["notebook"] for n in timing["notebooks"]] == ["01_trivial"] and timing["notebooks"][0]["status"] == "ok"
     assert timing["wall_s"] >= timing["notebooks"][0]["wall_s"] > 0 and timing["peak_rss_mb"] > 0
-    assert len(timing["commit"]) == 40 and timing["machine"]["isa"]
+    assert len(timing["commit"]) == 40 and timing["machine"]["isa"] and "peak_gflops_fp32" not in timing["machine"]
     assert main(args_for(lab, "--profile", "test", "--jobs", "2", "--only", "01")) == 0
     assert "skipped" in capsys.readouterr().out
 
@@ -206,3 +206,12 @@ def test_a_failed_join_hints_at_ray_token_authentication(monkeypatch):
     assert auth_hint(None) == ""  # an embedded Ray makes its own token
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     assert auth_hint("127.0.0.1:6379") == ""  # already set: the failure is something else
+
+
+def test_measure_machine_records_the_machines_speed_before_running(lab, monkeypatch):
+    import sparsedraft.runner.cli as cli
+    monkeypatch.setattr(cli, "machine_record", lambda measure=True: {"isa": "X", "read_gb_s": 9.5 if measure else None})
+    monkeypatch.setattr(cli, "peak_gflops", lambda dtypes: {"fp32": 42.04})
+    assert main(args_for(lab, "--profile", "test", "--only", "01", "--measure-machine")) == 0
+    timing = json.loads((lab / "outputs" / "run-test.json").read_text())
+    assert timing["machine"] == {"isa": "X", "read_gb_s": 9.5, "peak_gflops_fp32": 42.0}

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..engine.machine import machine_record, provenance
+from ..engine.machine import machine_record, peak_gflops, provenance
 from ..errors import require
 from ..progress import bars_on
 from .backends import BACKENDS, Settings, log_tail, make_backend
@@ -66,6 +66,9 @@ def add_run_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None,
                         help="ray backend: an existing cluster (host:port, ray://host:port or auto); default "
                              "starts an embedded local Ray")
+    parser.add_argument("--measure-machine", action="store_true",
+                        help="measure read bandwidth and fp32 matmul peak (a few seconds) before running, into "
+                             "outputs/run-<profile>.json, so the job's time can be set against the machine's speed")
     parser.add_argument("--ray-cpus", type=int, default=None, help="CPUs of the embedded local Ray (default: all)")
     parser.add_argument("--log-output", action="store_true",
                         help="echo each run's log, cell output included, to the console (it is always in run.log)")
@@ -101,6 +104,10 @@ def run_notebooks(args: argparse.Namespace) -> int:
     backend = make_backend(args.backend, settings, args.jobs, args.address, args.ray_cpus)
     failed = ran = 0
     began, where, outcomes = time.perf_counter(), provenance(), []
+    where["machine"] = machine_record(measure=False)
+    if args.measure_machine and runs:  # the speed this machine had when the job started: its time's yardstick
+        where["machine"] = {**machine_record(), "peak_gflops_fp32": round(peak_gflops(["fp32"])["fp32"], 1)}
+        print(f"machine: {where['machine']}", flush=True)
     # what will run, as far as it is known now (a summary notebook reruns only when another ran)
     unfinished = {r for r in runs if cfg.force or not is_finished(r)}
     likely = [r for r in runs if r in unfinished or (r.reads_outputs and any(not o.reads_outputs for o in unfinished))]
@@ -135,7 +142,7 @@ def write_timing(cfg: RunConfig, outcomes: list[RunOutcome], wall_s: float, wher
     peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     record = {"profile": cfg.profile, **where, "wall_s": round(wall_s, 1), "peak_rss_mb": round(peak_kb / 1024),
-              "machine": machine_record(measure=False), "threads": cfg.threads,
+              "threads": cfg.threads,
               "notebooks": [{"notebook": o.run.name, "status": o.status, "wall_s": round(o.wall_s, 1),
                              "run": str(o.run.output_dir)} for o in outcomes]}
     path = Path(cfg.outputs_dir) / f"run-{cfg.profile}.json"

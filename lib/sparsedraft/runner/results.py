@@ -124,14 +124,15 @@ def record_timing(outputs: str | Path = "outputs", profile: str = "cpu", folder:
                   read_gb_s: float | None = None) -> Path:
     """``folder/reproduce-<profile>.json`` from ``outputs/run-<profile>.json`` (the runner's timing of its last
     command that ran notebooks): wall time, each notebook's, peak RSS. ``read_gb_s``: the bandwidth measured
-    in that run's own timed steps (the curve record's), since the runner measures none."""
+    in that run's own timed steps (the curve record's), where the runner measured none (no ``--measure-machine``)."""
     source = Path(outputs) / f"run-{profile}.json"
     require(source.is_file(), f"no timing in {source}: run `python -m sparsedraft run --profile {profile}` "
                               "(make reproduce) first")
     run = json.loads(source.read_text())
     require(run.get("commit") and run.get("machine"), f"{source} names no commit or machine; rerun the notebooks")
     record = {"command": f"python -m sparsedraft run --profile {profile}", "commit": run["commit"],
-              "dirty": run.get("dirty"), "date": run["date"], "machine": {**run["machine"], "read_gb_s": read_gb_s},
+              "dirty": run.get("dirty"), "date": run["date"],
+              "machine": {**run["machine"], "read_gb_s": run["machine"].get("read_gb_s") or read_gb_s},
               "result": {"bench": "reproduce", "profile": profile, "wall_s": run["wall_s"],
                          "peak_rss_mb": run["peak_rss_mb"], "threads": run.get("threads"), "rows": run["notebooks"]}}
     path = Path(folder) / TIMING_RECORD.format(profile=profile)
