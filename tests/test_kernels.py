@@ -2,6 +2,7 @@
 paths where it is off or cannot be built."""
 
 import os
+import platform
 import subprocess
 import sys
 import warnings
@@ -12,17 +13,33 @@ import torch
 
 from sparsedraft.engine import kernels
 from sparsedraft.engine.cache import causal_mask
+from sparsedraft.engine.machine import cpu_flags
 from sparsedraft.errors import SparsedraftError
 
 
-@pytest.fixture(scope="module")
-def built():
+def _forced_paths():
+    """Forced vector paths this CPU runs besides the native build: portable always (in make test), the
+    others where the CPU has them (slow: a build each)."""
+    runnable = [isa for isa in kernels.ISA_FLAGS if kernels.ISA_NEEDS[isa] <= cpu_flags()]
+    return [isa if isa == "portable" else pytest.param(isa, marks=pytest.mark.slow) for isa in runnable]
+
+
+@pytest.fixture(scope="module", params=["auto", *_forced_paths()])
+def built(request):
+    """Every kernel test runs on the native build and again on each forced path (use_isa)."""
     if not kernels.enabled():
         pytest.skip("SPARSEDRAFT_KERNELS=0")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if not kernels.available():
-            pytest.skip(f"the C++ kernel does not build here: {kernels._failure}")
+    before = kernels.use_isa(request.param)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if not kernels.available():
+                pytest.skip(f"the C++ kernel does not build here ({request.param}): {kernels._failure}")
+        if request.param != "auto":
+            assert f"SPARSEDRAFT_KERNEL_ISA={request.param}" in kernels.path()
+        yield request.param
+    finally:
+        kernels.use_isa(None if before == "auto" else before)
 
 
 def _inputs(b, kv, g, t, s, d, dtype, seed=0, q_scale=1.0):
@@ -202,3 +219,18 @@ def test_few_rows_linear_matches_torch_and_each_row_is_independent_of_the_others
 def test_few_rows_linear_refuses_many_rows(built):
     with pytest.raises(SparsedraftError, match="1..16 rows"):
         kernels.linear(torch.randn(17, 8), torch.randn(4, 8))
+
+
+def test_a_forced_path_this_cpu_lacks_is_one_error_before_any_build(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2"})
+    with pytest.raises(SparsedraftError, match="cannot run the avx2 kernel path .*lacks avx2, fma"):
+        kernels.use_isa("avx2")
+    monkeypatch.setattr(kernels, "_isa", None)  # the environment speaks where use_isa has not
+    monkeypatch.setenv("SPARSEDRAFT_KERNEL_ISA", "avx9")
+    with pytest.raises(SparsedraftError, match="SPARSEDRAFT_KERNEL_ISA='avx9' is not one of"):
+        kernels.requested_isa()
+
+
+def test_the_portable_path_reports_itself(built):
+    if built == "portable" and platform.machine() in ("x86_64", "AMD64"):
+        assert kernels._module.vector_path == "portable"  # no AVX in the build: the baseline's code

@@ -9,7 +9,15 @@ asked, into ``$XDG_CACHE_HOME/sparsedraft/kernels/<hash>`` (``~/.cache`` by defa
 covering the sources, the compiler flags, torch, Python, the compiler and this CPU (``-march=native``
 code must not run on another CPU that shares the home folder). A machine without a compiler or ninja
 gets one warning naming the reason and ``available() == False``; callers then keep the SDPA path.
-``SPARSEDRAFT_KERNELS=0`` turns the kernels off without a warning. :func:`supports` is the one question
+``SPARSEDRAFT_KERNELS=0`` turns the kernels off without a warning.
+
+Which vector path runs is chosen here, at run time, from what this CPU reports: by default
+(``auto``) the build targets it with ``-march=native`` (AVX-512, AVX2+FMA, NEON ... whatever it
+has). ``SPARSEDRAFT_KERNEL_ISA`` (or :func:`use_isa`) forces one of :data:`ISA_FLAGS` instead:
+``avx512``, ``avx2`` (AVX2+FMA) or ``portable`` (no vector extension beyond the architecture's
+baseline), so a test or a bench can run the path another machine would, and a path the CPU lacks
+is one clear error rather than an illegal instruction. Every path keeps the same contract (each row's
+bits independent of the step's length); bits differ between paths, since FMA rounds once. :func:`supports` is the one question
 a caller asks (inputs, mask and build); :func:`attend_reference` is the oracle the tests hold it to.
 """
 
@@ -28,6 +36,7 @@ from types import ModuleType
 import torch
 
 from ...errors import require
+from ..machine import cpu_flags
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("decode_attention.cpp", "few_rows_linear.cpp", "bindings.cpp"))
@@ -40,6 +49,17 @@ FLAG_SETS = (
     ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
     ["-O3", "-ffp-contract=off", "-fopenmp"],
 )
+# Forced paths (SPARSEDRAFT_KERNEL_ISA / use_isa): the flags of each, and the CPU flags it needs.
+_COMMON = ["-O3", "-ffp-contract=off", "-fopenmp"]
+ISA_FLAGS = {
+    "avx512": [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+               "-mprefer-vector-width=512"],
+    "avx2": [*_COMMON, "-mavx2", "-mfma", "-mf16c"],
+    "portable": list(_COMMON),
+}
+ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}, "avx2": {"avx2", "fma"},
+             "portable": set()}
+ISA_CHOICES = ("auto", *ISA_FLAGS)
 DTYPES = (torch.float32, torch.bfloat16)
 # Verification-sized steps only: beyond ~32 new tokens (a prefill chunk) SDPA's GEMMs catch up in bf16
 # (8K context, 2 cores: kernel 168 vs SDPA 169 ms at T=32, 337 vs 226 ms at T=64) and it skips masked blocks.
@@ -49,11 +69,41 @@ _module: ModuleType | None = None
 _failure: str | None = None
 _flags: list[str] | None = None  # the FLAG_SETS entry the module was built with
 _last_mask: tuple[weakref.ref, int, bool] | None = None
+_isa: str | None = None  # use_isa's choice; None: the environment's (SPARSEDRAFT_KERNEL_ISA, default auto)
 
 
 def enabled() -> bool:
     """False when the environment turns the kernels off (``SPARSEDRAFT_KERNELS=0``)."""
     return os.environ.get("SPARSEDRAFT_KERNELS", "1").strip() != "0"
+
+
+def requested_isa() -> str:
+    """The vector path asked for: :func:`use_isa`'s choice, else ``SPARSEDRAFT_KERNEL_ISA``, else ``auto``."""
+    isa = _isa or os.environ.get("SPARSEDRAFT_KERNEL_ISA", "auto").strip().lower() or "auto"
+    require(isa in ISA_CHOICES, f"SPARSEDRAFT_KERNEL_ISA={isa!r} is not one of {ISA_CHOICES}")
+    return isa
+
+
+def check_isa(isa: str) -> None:
+    """One error when ``isa`` is unknown or this CPU lacks what it needs (before any build)."""
+    require(isa in ISA_CHOICES, f"kernel ISA {isa!r} is not one of {ISA_CHOICES}")
+    if isa != "auto":
+        missing = ISA_NEEDS[isa] - cpu_flags()
+        require(not missing, f"this CPU cannot run the {isa} kernel path (it lacks {', '.join(sorted(missing))}); "
+                             f"use one of {tuple(n for n in ISA_CHOICES if n == 'auto' or ISA_NEEDS[n] <= cpu_flags())}")
+
+
+def use_isa(isa: str | None) -> str:
+    """Run the kernels on vector path ``isa`` (one of :data:`ISA_CHOICES`; None: back to the environment's)
+    from the next call on; checked against this CPU first. Returns the path asked for before, so a caller
+    can put it back."""
+    global _isa, _module, _failure, _flags
+    before = requested_isa()
+    if isa is not None:
+        check_isa(isa)
+    if isa != _isa:
+        _isa, _module, _failure, _flags = isa, None, None, None
+    return before
 
 
 def cache_root() -> Path:
@@ -112,7 +162,9 @@ def available() -> bool:
     if not enabled():
         return False
     if _module is None and _failure is None:
-        for flags in FLAG_SETS:
+        isa = requested_isa()
+        check_isa(isa)
+        for flags in FLAG_SETS if isa == "auto" else (ISA_FLAGS[isa],):
             try:
                 _module, _flags = _build(flags), flags
                 break
@@ -134,7 +186,11 @@ def path() -> str:
         return "off (SPARSEDRAFT_KERNELS=0): torch path"
     if not available():
         return f"unavailable ({_failure}): torch path"
-    how = "-march=native" if any(f.startswith("-march=") for f in _flags) else "portable flags"
+    isa = requested_isa()
+    if isa != "auto":
+        how = f"forced: SPARSEDRAFT_KERNEL_ISA={isa}"
+    else:
+        how = "-march=native" if any(f.startswith("-march=") for f in _flags) else "portable flags"
     return f"{_module.vector_path} ({how})"
 
 
