@@ -6,7 +6,7 @@ import pytest
 
 from sparsedraft.bench import CompareConfig
 from sparsedraft.bench.record import (BEGIN, END, load_records, refresh_readme, render_table,
-                                      resolved_options, write_record)
+                                      resolved_options, step_rows, write_record)
 from sparsedraft.errors import SparsedraftError
 
 
@@ -183,3 +183,16 @@ def test_the_reproduce_record_carries_the_runners_timing(tmp_path):
     assert record["machine"]["read_gb_s"] == 17.0 and record["machine"]["peak_gflops_fp32"] == 30.0
     assert load_records(tmp_path / "results")  # a valid record; the results table has no row for it
     assert render_table(load_records(tmp_path / "results")).count("\n") == 1
+
+
+def test_step_rows_flatten_every_timed_step_with_its_record(tmp_path):
+    record = _record(tmp_path)
+    decode = dict(step="decode", dtype="fp32", context=4064, tokens=1, ms=200.0, roofline_ms=80.0, over_roofline=2.5,
+                  bound="memory", gb=0.7, gflop=0.5)
+    level2 = dict(decode, step="level2 verify-4", context=1024, tokens=4, ms=120.0, roofline_ms=60.0)
+    record["result"]["rows"][0]["steps"] = [decode]
+    record["result"]["rows"][1]["steps"] = [level2]
+    rows = step_rows([("tri.json", record), ("curve.json", {**record, "result": {"bench": "curve", "rows": []}})])
+    assert [(r["record"], r["method"], r["step"], r["ms"], r["roofline_ms"]) for r in rows] == [
+        ("tri.json", "ar", "decode", 200.0, 80.0), ("tri.json", "triforce", "level2 verify-4", 120.0, 60.0)]
+    assert rows[0]["read_gb_s"] == 20.0 and rows[0]["date"] == record["date"][:10] and "gb" not in rows[0]

@@ -83,6 +83,22 @@ def load_records(folder: str | Path = RESULTS_DIR) -> list[tuple[str, dict[str, 
     return [(f.name, check_record(json.loads(f.read_text()), str(f))) for f in files]
 
 
+def step_rows(records: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every timed step of every bench record (decode, verify-k, each level's step), one dict each, with its
+    record's name, method, date and read bandwidth beside ``ms`` and ``roofline_ms``: "where the time goes",
+    set against the machine that measured it. Records without steps (curves, older benches) add nothing."""
+    out = []
+    for name, record in records:
+        result = record["result"]
+        for row in result.get("rows", []):
+            for step in row.get("steps") or []:
+                out.append({"record": name, "method": row.get("method"), "date": record["date"][:10],
+                            "read_gb_s": result.get("read_gb_s", record["machine"].get("read_gb_s")),
+                            **{k: step.get(k) for k in ("step", "dtype", "context", "tokens", "ms", "roofline_ms",
+                                                        "over_roofline", "bound")}})
+    return out
+
+
 def _acceptance(row: dict[str, Any]) -> str:
     return " / ".join(f"{v:.2f}" for v in row.get("acceptance", {}).values()) or "-"
 
