@@ -71,11 +71,61 @@ inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> 16 fp32: widen, shift i
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPARSEDRAFT_AVX2 1
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+#if defined(SPARSEDRAFT_AVX2)
+// NB weight rows from wn (k_len apart) against M rows of xf, into y[m * n_len + j]. The 16 lanes are two
+// 8-float registers (lanes 0-7, 8-15); 16 registers hold the NB * 2 * M accumulators, NB * 2 weight
+// vectors and one row of x.
+template <int NB, int M, typename W>
+void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len) {
+  const int64_t full = k_len - k_len % kLanes;
+  __m256 lo[NB][M], hi[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) lo[j][m] = hi[j][m] = _mm256_setzero_ps();
+  const char* next = reinterpret_cast<const char*>(wn + NB * k_len);  // the next NB rows, contiguous after these
+  for (int64_t k = 0; k < full; k += kLanes) {
+    // While these rows stream, ask for the next group's: NB cache lines per NB * 64 bytes consumed.
+    for (int j = 0; j < NB; ++j) __builtin_prefetch(next + (k * NB + j * kLanes) * sizeof(W), 0, 0);
+    __m256 wl[NB], wh[NB];
+    for (int j = 0; j < NB; ++j) {
+      wl[j] = load8(wn + j * k_len + k);
+      wh[j] = load8(wn + j * k_len + k + 8);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 xl = _mm256_loadu_ps(xf + m * k_len + k), xh = _mm256_loadu_ps(xf + m * k_len + k + 8);
+      for (int j = 0; j < NB; ++j) {
+        lo[j][m] = _mm256_fmadd_ps(xl, wl[j], lo[j][m]);
+        hi[j][m] = _mm256_fmadd_ps(xh, wh[j], hi[j][m]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    alignas(32) float lanes[M][kLanes];
+    for (int m = 0; m < M; ++m) {
+      _mm256_store_ps(lanes[m], lo[j][m]);
+      _mm256_store_ps(lanes[m] + 8, hi[j][m]);
+    }
+    for (int64_t k = full; k < k_len; ++k) {  // tail: lane k - full, same order for every M
+      const float wk = load(wn + j * k_len + k);
+      for (int m = 0; m < M; ++m) lanes[m][k - full] = madd(xf[m * k_len + k], wk, lanes[m][k - full]);
+    }
+    for (int m = 0; m < M; ++m) y[m * n_len + j] = reduce_lanes(lanes[m]);
+  }
+}
 #endif
 
 // Rows of W [n0, n1) against all M rows of xf (float32 copy of x, [M, K]); results as float32.
-// Lane l of acc[m] sums k = l, l + 16, ... (one multiply-add each, in k order): the AVX-512 path and
-// the portable path do the same operations, the first 16 lanes at a time.
+// Lane l of acc[m] sums k = l, l + 16, ... (one multiply-add each, in k order): the AVX-512, AVX2+FMA
+// and portable paths do the same operations (with FMA, the same bits), 16 lanes at a time.
 template <int M, typename W>
 void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, float* yf, int64_t n_len) {
   const int64_t full = k_len - k_len % kLanes;
@@ -118,6 +168,15 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
       for (int m = 0; m < M; ++m) vacc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * k_len + k), wv, vacc[m]);
     }
     for (int m = 0; m < M; ++m) _mm512_store_ps(acc[m], vacc[m]);
+#elif defined(SPARSEDRAFT_AVX2)
+    constexpr int NB = M == 1 ? 3 : (M <= 2 ? 2 : 1);
+    if (n + NB <= n1) {
+      avx2_rows<NB, M>(xf, wn, k_len, yf + n, n_len);
+      n += NB - 1;
+    } else {
+      avx2_rows<1, M>(xf, wn, k_len, yf + n, n_len);
+    }
+    continue;
 #else
     for (int m = 0; m < M; ++m)
       for (int l = 0; l < kLanes; ++l) acc[m][l] = 0.0f;
