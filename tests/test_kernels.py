@@ -234,3 +234,33 @@ def test_a_forced_path_this_cpu_lacks_is_one_error_before_any_build(monkeypatch)
 def test_the_portable_path_reports_itself(built):
     if built == "portable" and platform.machine() in ("x86_64", "AMD64"):
         assert kernels._module.vector_path == "portable"  # no AVX in the build: the baseline's code
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(48, 64), (37, 70), (200, 576)])
+def test_int8_linear_matches_its_dequantised_product_and_rows_are_independent(built, dtype, n, k):
+    gen = torch.Generator().manual_seed(n * k)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) / 100 + 1e-3
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(16, k, generator=gen).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    alone = [kernels.linear_int8(x[m:m + 1], codes, scale, bias) for m in range(16)]
+    for rows in (1, 3, 9, 16):
+        out = kernels.linear_int8(x[:rows], codes, scale, bias)
+        want = (x[:rows].float() @ codes.float().T) * scale + bias.float()
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), want, **tol)
+        for m in range(rows):
+            assert torch.equal(out[m], alone[m][0])
+
+
+def test_int8_linear_module_uses_the_kernel_and_agrees_with_torchs_packed_op(built):
+    from sparsedraft.engine.quant import Int8Linear
+    layer = Int8Linear(torch.nn.Linear(96, 40, bias=True).eval())
+    x = torch.randn(5, 96)
+    with torch.no_grad():
+        ours = layer(x)
+        torchs = torch.ops.aten._weight_int8pack_mm(x, layer.weight_int8, layer.scale) + layer.bias
+    assert kernels.linear_int8_fits(x, layer.weight_int8)
+    torch.testing.assert_close(ours, torchs, rtol=1e-5, atol=1e-5)

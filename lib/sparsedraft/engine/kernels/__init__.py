@@ -276,6 +276,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x @ codes^T) * scale (+ bias)`` for 1..:data:`MAX_LINEAR_ROWS` rows of x [..., K] (fp32 or bf16) over
+    int8 ``codes`` [N, K] with a float32 ``scale`` per output row: a quarter of fp32's weight bytes, each read
+    once for all rows, the same lanes as :func:`linear`. Call :func:`available` first."""
+    rows = x.reshape(-1, x.shape[-1])
+    require(1 <= rows.shape[0] <= MAX_LINEAR_ROWS,
+            f"kernels.linear_int8 takes 1..{MAX_LINEAR_ROWS} rows, got {rows.shape[0]}")
+    out = _module.linear_int8(rows.contiguous(), codes, scale.float().contiguous(),
+                              bias if bias is not None else torch.empty(0, dtype=x.dtype))
+    return out.view(*x.shape[:-1], codes.shape[0])
+
+
+def linear_int8_fits(x: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether :func:`linear_int8` takes this step: CPU, fp32/bf16 rows, contiguous int8 codes, few rows, built."""
+    return (x.device.type == "cpu" and x.dtype in DTYPES and codes.dtype == torch.int8 and codes.is_contiguous()
+            and x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS and not (torch.is_grad_enabled() and x.requires_grad)
+            and available())
+
+
 def linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes this step: CPU, fp32/bf16 of one dtype, no autograd, few rows, built."""
     return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in DTYPES and weight.is_contiguous()

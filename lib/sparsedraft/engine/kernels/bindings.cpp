@@ -6,6 +6,8 @@
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T);
 int64_t attend_chunk();
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                const at::Tensor& bias);
 
 // The widest vector instruction set the compiler was allowed to use for these files (what -march
 // turned on), so a bench can say which path ran rather than which one the CPU offers.
@@ -30,4 +32,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("chunk") = attend_chunk();
   m.attr("vector_path") = vector_path();
   m.def("linear", &few_rows_linear, "x W^T (+ b) for 1..16 rows, each weight read once (few_rows_linear.cpp)");
+  m.def("linear_int8", &few_rows_linear_int8, "(x Q^T) * scale (+ b) for 1..16 rows over int8 codes Q");
 }

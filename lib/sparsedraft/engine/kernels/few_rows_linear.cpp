@@ -55,6 +55,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept qui
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) { return bf16_to_float(*p); }
+inline float load(const int8_t* p) { return static_cast<float>(*p); }  // int8 codes; the row's scale comes after
 
 inline float reduce_lanes(const float* acc) {  // fixed tree: (0+8, 1+9, ...), then halves again
   float a[8];
@@ -71,6 +72,9 @@ inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> 16 fp32: widen, shift i
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline __m512 load16(const int8_t* p) {  // 16 int8 codes -> 16 fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SPARSEDRAFT_AVX2 1
@@ -78,6 +82,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const int8_t* p) {  // 8 int8 codes -> 8 fp32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 
@@ -204,14 +211,19 @@ RowsFn<W> pick(int64_t m, std::integer_sequence<int, Ms...>) {
 
 }  // namespace
 
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+// x W^T (+ b), or with int8 codes w and a scale per output row, (x Q^T) * scale (+ b): the same lanes and
+// order over k either way, the scale applied once per output after the sum.
+static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "few_rows_linear takes x [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "few_rows_linear takes 1..", kMaxRows, " rows, got ",
               x.size(0));
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "few_rows_linear takes float32 or bfloat16 x and w of one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "few_rows_linear takes float32 or bfloat16 x");
+  const bool codes = w.scalar_type() == at::kChar;
+  TORCH_CHECK(codes ? scale.defined() && scale.numel() == w.size(0) && scale.scalar_type() == at::kFloat
+                    : w.scalar_type() == x.scalar_type(),
+              "few_rows_linear takes w of x's dtype, or int8 w with a float32 scale per output row");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(),
               "few_rows_linear takes CPU tensors and a contiguous weight");
   const int64_t m_len = x.size(0), k_len = x.size(1), n_len = w.size(0);
@@ -221,13 +233,16 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::T
   float* yp = yf.data_ptr<float>();
   const auto ms = std::make_integer_sequence<int, kMaxRows>{};
   at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
-    if (w.scalar_type() == at::kFloat) {
+    if (codes) {
+      pick<int8_t>(m_len, ms)(xp, w.data_ptr<int8_t>(), k_len, n0, n1, yp, n_len);
+    } else if (w.scalar_type() == at::kFloat) {
       pick<float>(m_len, ms)(xp, w.data_ptr<float>(), k_len, n0, n1, yp, n_len);
     } else {
       auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
       pick<uint16_t>(m_len, ms)(xp, wp, k_len, n0, n1, yp, n_len);
     }
   });
+  if (codes) yf.mul_(scale.contiguous().view({1, n_len}));  // after the sum: the same for every M
   if (bias.defined() && bias.numel() > 0) {
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_len, "bias must be [N]");
     yf.add_(bias.to(at::kFloat));  // after the sum, in float32: the same for every M
@@ -237,4 +252,14 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::T
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < m_len * n_len; ++i) op[i] = float_to_bf16(yp[i]);
   return out;
+}
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  return rows_linear(x, w, at::Tensor(), bias);
+}
+
+at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                const at::Tensor& bias) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "few_rows_linear_int8 takes int8 codes");
+  return rows_linear(x, codes, scale, bias);
 }
