@@ -13,7 +13,7 @@ points at a kernel, a layout or a busy machine rather than at the method.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..engine.config import ModelConfig
@@ -71,6 +71,19 @@ def _self_draft_cache(method: str, opts: Any) -> int | None:
     return None
 
 
+# Bytes per value a quantised self-draft reads, scales included (int8 KV: one fp32 scale per 64-value head row;
+# int4: a scale (and, for weights, an offset) per 32 values); "same" keeps the target's dtype.
+WEIGHT_VALUE_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 8 / 32}
+KV_VALUE_BYTES = {"int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 32}
+
+
+def _draft_cost(cost: StepCost, opts: Any, size: int) -> StepCost:
+    """``cost`` with the bytes a quantised self-draft level reads (``draft_weights`` / ``draft_kv``)."""
+    weights, kv = getattr(opts, "draft_weights", "same"), getattr(opts, "draft_kv", "same")
+    return replace(cost, weight_bytes=cost.weight_bytes * WEIGHT_VALUE_BYTES.get(weights, size) / size,
+                               kv_bytes=cost.kv_bytes * KV_VALUE_BYTES.get(kv, size) / size)
+
+
 def method_steps(model_cfg: ModelConfig, dtype: str, method: str, opts: Any, context: int, row: Any,
                  read_bytes_per_s: float, peak_gflops: float) -> list[StepRow]:
     """A speculative run's steps from its median run's timed regions (:mod:`sparsedraft.speculative.stats`):
@@ -95,8 +108,10 @@ def method_steps(model_cfg: ModelConfig, dtype: str, method: str, opts: Any, con
             tokens = round(drafted[RETRIEVAL_LEVEL] / level2) + 1
             rows.append(step_row(f"level2 verify-{tokens}", dtype,
                                  1000 * seconds[region(RETRIEVAL_LEVEL, VERIFY)] / level2,
-                                 step_cost(model_cfg, sparse, tokens, size), read_bytes_per_s, peak_gflops))
+                                 _draft_cost(step_cost(model_cfg, sparse, tokens, size), opts, size),
+                                 read_bytes_per_s, peak_gflops))
     elif drafted.get(TARGET) and seconds.get(DRAFT):
         rows.append(step_row("self draft", dtype, 1000 * seconds[DRAFT] / drafted[TARGET],
-                             step_cost(model_cfg, sparse, 1, size), read_bytes_per_s, peak_gflops))
+                             _draft_cost(step_cost(model_cfg, sparse, 1, size), opts, size), read_bytes_per_s,
+                             peak_gflops))
     return rows
