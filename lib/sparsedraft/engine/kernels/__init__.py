@@ -36,7 +36,6 @@ from types import ModuleType
 import torch
 
 from ...errors import require
-from ..machine import cpu_flags
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("decode_attention.cpp", "few_rows_linear.cpp", "bindings.cpp"))
@@ -117,6 +116,13 @@ def _cpu_fingerprint() -> str:
         return platform.processor()
     keep = ("model name", "flags", "Features", "CPU part")
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in keep}))
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's flags (x86) or features (ARM), from the lines the build key already reads (kept here, not
+    taken from ``engine.machine``, which reports this package's path and so sits above it)."""
+    return {flag for line in _cpu_fingerprint().splitlines() if line.split(":")[0].strip() in ("flags", "Features")
+            for flag in line.split(":", 1)[1].split()}
 
 
 def build_key(flags: list[str]) -> str:
