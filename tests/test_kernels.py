@@ -245,9 +245,9 @@ def test_int8_linear_matches_its_dequantised_product_and_rows_are_independent(bu
     bias = torch.randn(n, generator=gen).to(dtype)
     x = torch.randn(16, k, generator=gen).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    alone = [kernels.linear_int8(x[m:m + 1], codes, scale, bias) for m in range(16)]
+    alone = [kernels.linear(x[m:m + 1], codes, bias, scale) for m in range(16)]
     for rows in (1, 3, 9, 16):
-        out = kernels.linear_int8(x[:rows], codes, scale, bias)
+        out = kernels.linear(x[:rows], codes, bias, scale)
         want = (x[:rows].float() @ codes.float().T) * scale + bias.float()
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), want, **tol)
@@ -255,12 +255,18 @@ def test_int8_linear_matches_its_dequantised_product_and_rows_are_independent(bu
             assert torch.equal(out[m], alone[m][0])
 
 
-def test_int8_linear_module_uses_the_kernel_and_agrees_with_torchs_packed_op(built):
+def test_int8_linear_module_uses_the_kernel_and_agrees_with_torchs_packed_op(built, monkeypatch):
+    from sparsedraft.engine.model import project
     from sparsedraft.engine.quant import Int8Linear
     layer = Int8Linear(torch.nn.Linear(96, 40, bias=True).eval())
+    kernel_linear = kernels.linear
     x = torch.randn(5, 96)
+    calls = []
+    monkeypatch.setattr(kernels, "linear", lambda *a, **k: calls.append(a) or kernel_linear(*a, **k))
     with torch.no_grad():
-        ours = layer(x)
+        ours = project(layer, x)  # the model's one dispatch: an Int8Linear step goes to the kernel
         torchs = torch.ops.aten._weight_int8pack_mm(x, layer.weight_int8, layer.scale) + layer.bias
-    assert kernels.linear_int8_fits(x, layer.weight_int8)
+    assert len(calls) == 1 and calls[0][1] is layer.weight_int8
+    with pytest.raises(SparsedraftError, match="a scale with int8 weights"):
+        kernels.linear(x, layer.weight_int8)
     torch.testing.assert_close(ours, torchs, rtol=1e-5, atol=1e-5)

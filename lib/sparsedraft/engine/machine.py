@@ -38,6 +38,7 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import require
+from .cpuinfo import cpu_flags, read_cpuinfo
 from .roofline import measure_matmul_flops, measure_read_bandwidth
 from .runtime import DTYPES
 
@@ -46,17 +47,6 @@ ISA_LADDER = (({"avx2"}, "AVX2"), ({"avx2", "fma"}, "AVX2+FMA"), ({"avx512f"}, "
               ({"avx512_bf16"}, "AVX512-BF16"), ({"amx_tile", "amx_bf16"}, "AMX"))
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")  # x86 flags, and aarch64's "bf16" feature
 PEAK_SECONDS = 1.0  # per dtype: long enough for a stable median, short beside any bench
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The flags (x86) or features (ARM) ``/proc/cpuinfo`` lists; empty where it cannot be read."""
-    if cpuinfo is None:
-        cpuinfo = _cpuinfo()
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        if line.split(":")[0].strip() in ("flags", "Features"):
-            flags.update(line.split(":", 1)[1].split())
-    return flags
 
 
 def best_isa(flags: Iterable[str]) -> str:
@@ -152,18 +142,10 @@ def machine_record(read_gb_s: float | None = None, measure: bool = True) -> dict
     when not given (``measure=False``: left None, for a caller whose figures carry their own)."""
     if (read_gb_s is None or read_gb_s != read_gb_s) and measure:  # absent or NaN
         read_gb_s = measure_read_bandwidth("cpu") / 1e9
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+    cpu = next((line.split(":", 1)[1].strip() for line in read_cpuinfo().splitlines() if line.startswith("model name")),
                platform.processor())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other jobs on the cores slow every figure
     return {"isa": best_isa(cpu_flags()), "cpu": cpu, "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "read_gb_s": None if read_gb_s is None or read_gb_s != read_gb_s else round(read_gb_s, 2),
             "load_1min": None if load is None else round(load, 2)}
-
-
-def _cpuinfo() -> str:
-    """``/proc/cpuinfo``, empty where it cannot be read."""
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""

@@ -25,6 +25,7 @@ from ..errors import require
 from . import kernels
 from .cache import CAUSAL, Causal, KVCache, RowCaches, SequenceView, StaticCache, causal_tail
 from .config import ModelConfig
+from .quant import Int8Linear
 from .rope import Rotary
 
 try:  # optional CUDA kernel; SDPA is the path the tests cover
@@ -196,17 +197,21 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     most :data:`KERNEL_MAX_TOKENS` tokens per sequence) goes through the C++ kernel, which reads the weight
     once per 16 rows and gives each row the bits it gets alone, so a batch of steps gives every row what its
     batch-1 step gives."""
-    if not isinstance(layer, nn.Linear):  # an int8 layer (quant.py)
+    if isinstance(layer, nn.Linear):
+        weight, scale = layer.weight, None
+    elif isinstance(layer, Int8Linear):  # int8 codes and a scale per output row: the same kernel
+        weight, scale = layer.weight_int8, layer.scale
+    else:  # int4 and bf16 draft layers (quant.py): torch's kernels
         return layer(x)
     rows = x.numel() // x.shape[-1]
     step = kernels.MAX_LINEAR_ROWS
-    if rows <= step and kernels.linear_fits(x, layer.weight):
-        return kernels.linear(x, layer.weight, layer.bias)
+    if rows <= step and kernels.linear_fits(x, weight):
+        return kernels.linear(x, weight, layer.bias, scale)
     if (step < rows <= EXACT_ROWS and x.dim() == 3 and x.shape[1] <= KERNEL_MAX_TOKENS
-            and kernels.linear_fits(x[:1, :1], layer.weight)):  # a batch of steps; prefill chunks keep GEMMs
+            and kernels.linear_fits(x[:1, :1], weight)):  # a batch of steps; prefill chunks keep GEMMs
         flat = x.reshape(rows, x.shape[-1])
-        parts = [kernels.linear(flat[i:i + step], layer.weight, layer.bias) for i in range(0, rows, step)]
-        return torch.cat(parts).view(*x.shape[:-1], layer.weight.shape[0])
+        parts = [kernels.linear(flat[i:i + step], weight, layer.bias, scale) for i in range(0, rows, step)]
+        return torch.cat(parts).view(*x.shape[:-1], weight.shape[0])
     return layer(x)
 
 

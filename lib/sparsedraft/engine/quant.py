@@ -8,10 +8,11 @@ at long context. The baseline must get the same lever: quantise the model
 once and use it for both AR and speculative decoding, so ratios stay fair and
 greedy losslessness is judged against the quantised target itself.
 
-On CPU a step of at most 16 rows (decode, verification, a draft level) goes through our
-few-row kernel over the int8 codes (``kernels.linear_int8``: each code read once for all rows, the
-scale applied per output after the sum); larger ones use torch's fused ``_weight_int8pack_mm``
-(at 4 rows on a 2-core AVX2 machine it read the weights 4x slower than our fp32 kernel); other devices multiply
+On CPU a model's decode, verification and draft steps (``model.project``) go through our few-row
+kernel over the int8 codes (``kernels.linear`` with a scale: each code read once for all rows, the
+scale applied per output after the sum); prefill chunks and direct calls use torch's fused ``_weight_int8pack_mm``
+(for TriForce's 4-row level-2 step at 16K it made an int8 step cost 4.3x an fp32 one: 7d16d31's
+``docs/results/triforce-16k-wint8-kvsame.json``); other devices multiply
 by the weights cast to the activation dtype and scale the output (the same
 arithmetic, unfused). Whether the fused kernel beats fp32 depends on the CPU
 and the row count (it is tuned for one row); ``bench spec --quant int8``
@@ -36,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import require
-from . import kernels
 from .config import ModelConfig
 
 DRAFT_WEIGHTS = ("same", "bf16", "int8", "int4")  # a self-draft's weights; "same": the target's own
@@ -58,9 +58,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if kernels.enabled() and kernels.linear_int8_fits(flat, self.weight_int8):  # few rows: our fused kernel
-            y = kernels.linear_int8(flat, self.weight_int8, self.scale)
-        elif flat.device.type == "cpu":
+        if flat.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.weight_int8, self.scale.to(x.dtype))
         else:
             y = F.linear(flat, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)

@@ -17,8 +17,10 @@ has). ``SPARSEDRAFT_KERNEL_ISA`` (or :func:`use_isa`) forces one of :data:`ISA_F
 ``avx512``, ``avx2`` (AVX2+FMA) or ``portable`` (no vector extension beyond the architecture's
 baseline), so a test or a bench can run the path another machine would, and a path the CPU lacks
 is one clear error rather than an illegal instruction. Every path keeps the same contract (each row's
-bits independent of the step's length); bits differ between paths, since FMA rounds once. :func:`supports` is the one question
-a caller asks (inputs, mask and build); :func:`attend_reference` is the oracle the tests hold it to.
+bits independent of the step's length); bits differ between paths, since FMA rounds once.
+
+:func:`supports` is the one question a caller asks (inputs, mask and build); :func:`attend_reference`
+is the oracle the tests hold it to.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from types import ModuleType
 import torch
 
 from ...errors import require
+from ..cpuinfo import cpu_flags, read_cpuinfo
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("decode_attention.cpp", "few_rows_linear.cpp", "bindings.cpp"))
@@ -87,9 +90,11 @@ def check_isa(isa: str) -> None:
     """One error when ``isa`` is unknown or this CPU lacks what it needs (before any build)."""
     require(isa in ISA_CHOICES, f"kernel ISA {isa!r} is not one of {ISA_CHOICES}")
     if isa != "auto":
-        missing = ISA_NEEDS[isa] - cpu_flags()
+        flags = cpu_flags()
+        runnable = tuple(n for n in ISA_CHOICES if n == "auto" or ISA_NEEDS[n] <= flags)
+        missing = ISA_NEEDS[isa] - flags
         require(not missing, f"this CPU cannot run the {isa} kernel path (it lacks {', '.join(sorted(missing))}); "
-                             f"use one of {tuple(n for n in ISA_CHOICES if n == 'auto' or ISA_NEEDS[n] <= cpu_flags())}")
+                             f"use one of {runnable}")
 
 
 def use_isa(isa: str | None) -> str:
@@ -110,19 +115,11 @@ def cache_root() -> Path:
 
 
 def _cpu_fingerprint() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    lines = read_cpuinfo().splitlines()
+    if not lines:
         return platform.processor()
     keep = ("model name", "flags", "Features", "CPU part")
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in keep}))
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's flags (x86) or features (ARM), from the lines the build key already reads (kept here, not
-    taken from ``engine.machine``, which reports this package's path and so sits above it)."""
-    return {flag for line in _cpu_fingerprint().splitlines() if line.split(":")[0].strip() in ("flags", "Features")
-            for flag in line.split(":", 1)[1].split()}
 
 
 def build_key(flags: list[str]) -> str:
@@ -271,39 +268,28 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return (weights @ v.float()).to(q.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for 1..:data:`MAX_LINEAR_ROWS` rows of x [..., K] on CPU (fp32 or bf16, weight [N, K]
-    contiguous, same dtype), each weight row read once for all rows. Row m's result is bitwise the same
-    whatever the number of rows, which torch's own kernels do not promise. Call :func:`available` first."""
+    contiguous), each weight row read once for all rows. The weight is of x's dtype, or int8 codes with a
+    ``scale`` per output row (``(x @ codes^T) * scale``: a quarter of fp32's weight bytes, the scale applied
+    after the sum). Row m's result is bitwise the same whatever the number of rows, which torch's own
+    kernels do not promise. Call :func:`available` first."""
     rows = x.reshape(-1, x.shape[-1])
     require(1 <= rows.shape[0] <= MAX_LINEAR_ROWS,
             f"kernels.linear takes 1..{MAX_LINEAR_ROWS} rows, got {rows.shape[0]}; use F.linear for more")
-    out = _module.linear(rows.contiguous(), weight, bias if bias is not None else torch.empty(0, dtype=x.dtype))
+    require((weight.dtype == torch.int8) == (scale is not None),
+            f"kernels.linear takes a scale with int8 weights and only then, got {weight.dtype} and "
+            f"{'a' if scale is not None else 'no'} scale")
+    no_bias = bias if bias is not None else torch.empty(0, dtype=x.dtype)
+    out = (_module.linear(rows.contiguous(), weight, no_bias) if scale is None
+           else _module.linear_int8(rows.contiguous(), weight, scale.float().contiguous(), no_bias))
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def linear_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``(x @ codes^T) * scale (+ bias)`` for 1..:data:`MAX_LINEAR_ROWS` rows of x [..., K] (fp32 or bf16) over
-    int8 ``codes`` [N, K] with a float32 ``scale`` per output row: a quarter of fp32's weight bytes, each read
-    once for all rows, the same lanes as :func:`linear`. Call :func:`available` first."""
-    rows = x.reshape(-1, x.shape[-1])
-    require(1 <= rows.shape[0] <= MAX_LINEAR_ROWS,
-            f"kernels.linear_int8 takes 1..{MAX_LINEAR_ROWS} rows, got {rows.shape[0]}")
-    out = _module.linear_int8(rows.contiguous(), codes, scale.float().contiguous(),
-                              bias if bias is not None else torch.empty(0, dtype=x.dtype))
-    return out.view(*x.shape[:-1], codes.shape[0])
-
-
-def linear_int8_fits(x: torch.Tensor, codes: torch.Tensor) -> bool:
-    """Whether :func:`linear_int8` takes this step: CPU, fp32/bf16 rows, contiguous int8 codes, few rows, built."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and codes.dtype == torch.int8 and codes.is_contiguous()
-            and x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS and not (torch.is_grad_enabled() and x.requires_grad)
-            and available())
-
-
 def linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` takes this step: CPU, fp32/bf16 of one dtype, no autograd, few rows, built."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in DTYPES and weight.is_contiguous()
-            and x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS
+    """Whether :func:`linear` takes this step: CPU, fp32/bf16 rows, a contiguous weight of their dtype or int8
+    codes, no autograd, few rows, built."""
+    return (x.device.type == "cpu" and x.dtype in DTYPES and weight.dtype in (x.dtype, torch.int8)
+            and weight.is_contiguous() and x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and available())
