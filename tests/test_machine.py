@@ -108,5 +108,5 @@ def test_a_quantised_self_draft_level_is_judged_by_the_bytes_it_reads():
     full = step_cost(cfg, 64, 4, 4)
     assert steps["same", "same"].gb == pytest.approx((full.weight_bytes + full.kv_bytes) / 1e9)
     assert steps["int8", "same"].gb == pytest.approx((full.weight_bytes / 4 + full.kv_bytes) / 1e9)
-    assert steps["int8", "int8"].gb == pytest.approx((full.weight_bytes + full.kv_bytes * (1 + 4 / 64)) / 4 / 1e9)
+    assert steps["int8", "int8"].gb == pytest.approx((full.weight_bytes + full.kv_bytes * (1 + 4 / cfg.head_dim)) / 4 / 1e9)
     assert steps["int4", "int4"].gb < steps["int8", "int8"].gb

@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from ..caches.kv_quant import INT4_GROUP as KV_INT4_GROUP
 from ..engine.config import ModelConfig
+from ..engine.quant import INT4_GROUP as WEIGHT_INT4_GROUP
 from ..engine.roofline import StepCost, step_cost
 from ..engine.runtime import DTYPES
 from ..errors import require
@@ -71,17 +73,15 @@ def _self_draft_cache(method: str, opts: Any) -> int | None:
     return None
 
 
-# Bytes per value a quantised self-draft reads, scales included (int8 KV: one fp32 scale per 64-value head row;
-# int4: a scale (and, for weights, an offset) per 32 values); "same" keeps the target's dtype.
-WEIGHT_VALUE_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 8 / 32}
-KV_VALUE_BYTES = {"int8": 1.0 + 4 / 64, "int4": 0.5 + 4 / 32}
-
-
-def _draft_cost(cost: StepCost, opts: Any, size: int) -> StepCost:
-    """``cost`` with the bytes a quantised self-draft level reads (``draft_weights`` / ``draft_kv``)."""
+def _draft_cost(cost: StepCost, cfg: ModelConfig, opts: Any, size: int) -> StepCost:
+    """``cost`` with the bytes a quantised self-draft level reads (``draft_weights`` / ``draft_kv``), scales
+    included: int8 weights one byte a value (their one scale per output row left out), int4 weights half a
+    byte plus a scale and an offset (the dtype's) per group, int8 KV one byte plus an fp32 scale per head
+    row, int4 KV half a byte plus an fp32 scale per group."""
     weights, kv = getattr(opts, "draft_weights", "same"), getattr(opts, "draft_kv", "same")
-    return replace(cost, weight_bytes=cost.weight_bytes * WEIGHT_VALUE_BYTES.get(weights, size) / size,
-                               kv_bytes=cost.kv_bytes * KV_VALUE_BYTES.get(kv, size) / size)
+    per_weight = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 2 * size / WEIGHT_INT4_GROUP}.get(weights, size)
+    per_kv = {"int8": 1.0 + 4 / cfg.head_dim, "int4": 0.5 + 4 / KV_INT4_GROUP}.get(kv, size)
+    return replace(cost, weight_bytes=cost.weight_bytes * per_weight / size, kv_bytes=cost.kv_bytes * per_kv / size)
 
 
 def method_steps(model_cfg: ModelConfig, dtype: str, method: str, opts: Any, context: int, row: Any,
@@ -108,10 +108,10 @@ def method_steps(model_cfg: ModelConfig, dtype: str, method: str, opts: Any, con
             tokens = round(drafted[RETRIEVAL_LEVEL] / level2) + 1
             rows.append(step_row(f"level2 verify-{tokens}", dtype,
                                  1000 * seconds[region(RETRIEVAL_LEVEL, VERIFY)] / level2,
-                                 _draft_cost(step_cost(model_cfg, sparse, tokens, size), opts, size),
+                                 _draft_cost(step_cost(model_cfg, sparse, tokens, size), model_cfg, opts, size),
                                  read_bytes_per_s, peak_gflops))
     elif drafted.get(TARGET) and seconds.get(DRAFT):
         rows.append(step_row("self draft", dtype, 1000 * seconds[DRAFT] / drafted[TARGET],
-                             _draft_cost(step_cost(model_cfg, sparse, 1, size), opts, size), read_bytes_per_s,
-                             peak_gflops))
+                             _draft_cost(step_cost(model_cfg, sparse, 1, size), model_cfg, opts, size),
+                             read_bytes_per_s, peak_gflops))
     return rows

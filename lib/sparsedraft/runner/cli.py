@@ -104,12 +104,12 @@ def run_notebooks(args: argparse.Namespace) -> int:
     backend = make_backend(args.backend, settings, args.jobs, args.address, args.ray_cpus)
     failed = ran = 0
     began, where, outcomes = time.perf_counter(), provenance(), []
-    where["machine"] = machine_record(measure=False)
-    if args.measure_machine and runs:  # the speed this machine had when the job started: its time's yardstick
-        where["machine"] = {**machine_record(), "peak_gflops_fp32": round(peak_gflops(["fp32"])["fp32"], 1)}
-        print(f"machine: {where['machine']}", flush=True)
     # what will run, as far as it is known now (a summary notebook reruns only when another ran)
     unfinished = {r for r in runs if cfg.force or not is_finished(r)}
+    where["machine"] = machine_record(measure=False)
+    if args.measure_machine and unfinished:  # the speed this machine had when the job started: its time's yardstick
+        where["machine"] = {**machine_record(), "peak_gflops_fp32": round(peak_gflops(["fp32"])["fp32"], 1)}
+        print(f"machine: {where['machine']}", flush=True)
     likely = [r for r in runs if r in unfinished or (r.reads_outputs and any(not o.reads_outputs for o in unfinished))]
     overall = Overall(likely, show=bars_on())
     try:
