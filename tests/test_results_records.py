@@ -5,7 +5,8 @@ import json
 import pytest
 
 from sparsedraft.bench import CompareConfig
-from sparsedraft.bench.record import (BEGIN, END, load_records, refresh_readme, render_table,
+from sparsedraft.bench.record import (BEGIN, END, TIMES_BEGIN, TIMES_END, load_records, refresh_readme, render_table,
+                                      render_times,
                                       resolved_options, step_rows, write_record)
 from sparsedraft.errors import SparsedraftError
 
@@ -56,14 +57,16 @@ def test_refresh_readme_replaces_only_between_the_markers(tmp_path):
     records = tmp_path / "results"
     _record(records)
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{BEGIN}\nold table\n{END}\nafter\n")
+    readme.write_text(f"intro\n{BEGIN}\nold table\n{END}\nmiddle\n{TIMES_BEGIN}\nold times\n{TIMES_END}\nafter\n")
     refresh_readme(readme, records)
     text = readme.read_text()
-    assert text.startswith(f"intro\n{BEGIN}\n| method") and text.endswith(f"|\n{END}\nafter\n")
-    assert "old table" not in text and "**1.25x**" in text
-    readme.write_text("no markers\n")
-    with pytest.raises(SparsedraftError, match="markers"):
-        refresh_readme(readme, records)
+    assert text.startswith(f"intro\n{BEGIN}\n| method") and f"|\n{END}\nmiddle\n{TIMES_BEGIN}\n| profile" in text
+    assert text.endswith(f"|\n{TIMES_END}\nafter\n")
+    assert "old table" not in text and "old times" not in text and "**1.25x**" in text
+    for broken in ("no markers\n", f"{BEGIN}\n{END}\n"):  # the times markers are required too
+        readme.write_text(broken)
+        with pytest.raises(SparsedraftError, match="markers"):
+            refresh_readme(readme, records)
 
 
 def test_the_table_shows_the_options_a_record_resolved():
@@ -94,8 +97,12 @@ def test_the_readme_table_is_the_rendering_of_the_committed_records():
     root = Path(__file__).resolve().parents[1]
     text = (root / "README.md").read_text()
     table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert table == render_table(load_records(root / "docs" / "results")), \
+    records = load_records(root / "docs" / "results")
+    assert table == render_table(records), \
         "README's results table differs from docs/results: run python -m sparsedraft results and commit both"
+    times = text.split(TIMES_BEGIN, 1)[1].split(TIMES_END, 1)[0].strip()
+    assert times == render_times(records), \
+        "README's run times differ from docs/results: run python -m sparsedraft results and commit both"
 
 
 def _curve_run(outputs, commit="fedcba9876543210", machine=True):
@@ -132,11 +139,11 @@ def _curve_run(outputs, commit="fedcba9876543210", machine=True):
 
 
 def test_the_curve_record_takes_each_context_best_rows_and_the_race_from_notebook_05s_run(tmp_path):
-    from sparsedraft.runner.results import CURVE_FIGURE, record_curve
+    from sparsedraft.runner.results import record_curve
     _curve_run(tmp_path / "outputs")
     path = record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
     record = json.loads(path.read_text())
-    assert (tmp_path / "results" / CURVE_FIGURE).read_bytes() == b"\x89PNG fake"
+    assert path.name == "speedup-vs-context-cpu.json"
     assert record["commit"].startswith("fedcba") and record["machine"]["read_gb_s"] == 20.5
     rows = record["result"]["rows"]
     assert [(r["context"], r["method"], r["options"].get("draft")) for r in rows] == [
@@ -157,8 +164,8 @@ def test_the_curve_record_refuses_a_run_without_commit_or_curve(tmp_path):
     with pytest.raises(SparsedraftError, match="names no commit or machine"):
         record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
     (run / "level1_race.csv").unlink()
-    (run / "speedup_vs_context.png").unlink()
-    with pytest.raises(SparsedraftError, match="speedup_vs_context.png missing"):
+    (run / "speedup_vs_context_runs.csv").unlink()
+    with pytest.raises(SparsedraftError, match="speedup_vs_context_runs.csv missing"):
         record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
 
 
@@ -183,6 +190,38 @@ def test_the_reproduce_record_carries_the_runners_timing(tmp_path):
     assert record["machine"]["read_gb_s"] == 17.0 and record["machine"]["peak_gflops_fp32"] == 30.0
     assert load_records(tmp_path / "results")  # a valid record; the results table has no row for it
     assert render_table(load_records(tmp_path / "results")).count("\n") == 1
+    times = render_times(load_records(tmp_path / "results")).splitlines()
+    assert times[2] == ("| `cpu` | 50 min | 01 250 s | 5.3 GB | 2026-12-04, abababa | AVX2+FMA, 17.0 GB/s, 30 GFLOP/s "
+                        "| [reproduce-cpu.json](docs/results/reproduce-cpu.json) |")
+
+
+def test_the_figure_takes_each_context_from_the_newest_curve_record(tmp_path, monkeypatch):
+    from sparsedraft import report
+    from sparsedraft.runner.results import draw_curves, record_curve
+    assert draw_curves(tmp_path / "results") is None  # no curve record: no figure
+    run = _curve_run(tmp_path / "outputs")
+    record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
+    older = tmp_path / "results" / "speedup-vs-context-cpu-long.json"
+    (tmp_path / "results" / "speedup-vs-context-cpu.json").rename(older)
+    record = json.loads(older.read_text())
+    record["date"], record["commit"] = "2026-12-01T00:00:00Z", "1111111111"
+    for row in record["result"]["rows"]:
+        row["speedup"] = 9.0
+    older.write_text(json.dumps(record))
+    (run / "speedup_vs_context.csv").write_text(  # the newer run holds 8K only
+        "context,ar_ms_per_token,triforce_budget,triforce_gamma1,triforce_gamma2,triforce_speedup,retrieval_budget,"
+        "retrieval_gamma2,retrieval_speedup,predicted_speedup,read_gb_s,new_tokens\n"
+        "8000,60.0,1024,2,6,1.5,1024,8,1.2,1.6,21.0,128\n")
+    record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
+    drawn = {}
+    real = report.line_figure
+    monkeypatch.setattr(report, "line_figure", lambda frame, *a, **k: drawn.update(frame=frame, **k) or real(frame, *a, **k))
+    path = draw_curves(tmp_path / "results")
+    assert path.read_bytes().startswith(b"\x89PNG")
+    got = {(r.context, r.method, r.source): r.speedup for r in drawn["frame"].itertuples()}
+    assert got[(8000, "TriForce", "measured")] == 1.5 and got[(8000, "TriForce", "cost model")] == 1.6
+    assert got[(32000, "TriForce", "measured")] == 9.0  # only the older record holds 32K
+    assert "8K-8K: 2026-12-04, fedcba9" in drawn["title"] and "32K-32K: 2026-12-01, 1111111" in drawn["title"]
 
 
 def test_step_rows_flatten_every_timed_step_with_its_record(tmp_path):

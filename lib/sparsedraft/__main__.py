@@ -90,19 +90,22 @@ def add_results_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", default=str(RESULTS_DIR), help="folder of records written by bench --record")
     parser.add_argument("--from-runs", default="", metavar="OUTPUTS",
                         help="first record the newest finished notebook-05 run of --profile under this folder "
-                             "(e.g. outputs) as the speedup-vs-context record and figure, and the runner's "
-                             "timing of that profile (run-<profile>.json) as its reproduce record")
-    parser.add_argument("--profile", default="cpu", help="profile of that run (default: cpu, make reproduce's)")
+                             "(e.g. outputs) as speedup-vs-context-<profile>.json, and the runner's timing of "
+                             "that profile (run-<profile>.json) as reproduce-<profile>.json")
+    parser.add_argument("--profile", default="cpu", help="profile of that run (default: cpu, make reproduce's; cpu-long: its 16K-32K curve)")
 
 
 def run_results(args: argparse.Namespace) -> None:
+    from .runner.results import draw_curves, record_curve, record_timing
     if args.from_runs:
-        from .runner.results import record_curve, record_timing
         curve = record_curve(args.from_runs, args.profile, args.records)
         read = json.loads(curve.read_text())["machine"]["read_gb_s"]
         timing = record_timing(args.from_runs, args.profile, args.records, read)
         print(f"recorded {curve} and {timing}", file=sys.stderr)
     print(refresh_readme(args.readme, args.records))
+    figure = draw_curves(args.records)
+    if figure is not None:
+        print(f"figure drawn: {figure}", file=sys.stderr)
 
 
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int | None]]

@@ -14,7 +14,9 @@ every figure.
 
 ``python -m sparsedraft results`` (:func:`refresh_readme`) rebuilds the
 README's results table from every record under ``docs/results/``, between the
-two marker comments :data:`BEGIN` and :data:`END`: the one way that table
+two marker comments :data:`BEGIN` and :data:`END`, and its table of run times
+(one row per ``reproduce-<profile>.json``, the runner's timing of a whole
+profile) between :data:`TIMES_BEGIN` and :data:`TIMES_END`: the one way either
 changes. A record missing a field is refused with its path and the field.
 """
 
@@ -34,6 +36,8 @@ from ..speculative.methods import method_options
 RESULTS_DIR = Path("docs/results")
 BEGIN = "<!-- results:begin (python -m sparsedraft results) -->"
 END = "<!-- results:end -->"
+TIMES_BEGIN = "<!-- times:begin (python -m sparsedraft results) -->"
+TIMES_END = "<!-- times:end -->"
 # Top-level fields a record must hold; ``machine`` and ``result`` must hold theirs.
 REQUIRED = ("command", "commit", "dirty", "date", "machine", "result")
 MACHINE_REQUIRED = ("isa", "read_gb_s")
@@ -181,14 +185,42 @@ def render_table(records: list[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+TIMES_HEADER = ["profile", "wall", "per notebook", "peak RSS", "date, commit", "machine: ISA, read, fp32 peak",
+                "record"]
+
+
+def render_times(records: list[tuple[str, dict[str, Any]]]) -> str:
+    """A markdown table, one line per reproduce record: the whole profile's wall time, each notebook's, peak RSS."""
+    lines = ["| " + " | ".join(TIMES_HEADER) + " |", "|" + "---|" * len(TIMES_HEADER)]
+    for name, record in records:
+        result, m = record["result"], record["machine"]
+        if result.get("bench") != "reproduce":
+            continue
+        each = ", ".join(f"{row['notebook'][:2]} {row['wall_s']:.0f} s" + ("" if row["status"] == "ok" else
+                                                                            f" ({row['status']})")
+                         for row in result["rows"])
+        peak = f", {m['peak_gflops_fp32']:.0f} GFLOP/s" if m.get("peak_gflops_fp32") else ""
+        lines.append(f"| `{result['profile']}` | {result['wall_s'] / 60:.0f} min | {each} | "
+                     f"{result['peak_rss_mb'] / 1024:.1f} GB | {record['date'][:10]}, {record['commit'][:7]}"
+                     f"{'+' if record['dirty'] else ''} | {m['isa']}, {m['read_gb_s']:.1f} GB/s{peak} | "
+                     f"[{name}](docs/results/{name}) |")
+    return "\n".join(lines)
+
+
+def _replace_between(text: str, begin: str, end: str, body: str, where: Path) -> str:
+    if begin not in text or end not in text or text.index(begin) > text.index(end):
+        raise SparsedraftError(f"{where} lacks the markers {begin!r} ... {end!r}; put them where the table goes")
+    head, rest = text.split(begin, 1)
+    return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
 def refresh_readme(readme: str | Path = "README.md", folder: str | Path = RESULTS_DIR) -> str:
-    """Replace the text between :data:`BEGIN` and :data:`END` in ``readme`` by the table of ``folder``'s records."""
+    """Replace the text between :data:`BEGIN` and :data:`END` in ``readme`` by the results table of ``folder``'s
+    records, and the text between :data:`TIMES_BEGIN` and :data:`TIMES_END` by their run times; the results
+    table is returned."""
     readme = Path(readme)
-    text = readme.read_text()
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
-        raise SparsedraftError(f"{readme} lacks the markers {BEGIN!r} ... {END!r}; put them where the table goes")
-    table = render_table(load_records(folder))
-    head, rest = text.split(BEGIN, 1)
-    new = f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}"
-    readme.write_text(new)
+    records = load_records(folder)
+    table = render_table(records)
+    text = _replace_between(readme.read_text(), BEGIN, END, table, readme)
+    readme.write_text(_replace_between(text, TIMES_BEGIN, TIMES_END, render_times(records), readme))
     return table

@@ -1,22 +1,24 @@
-"""A recorded notebook run as a results record: the README's speedup-vs-context figure and its 8K-32K rows.
+"""A recorded notebook run as a results record: the README's speedup-vs-context rows, figure and run times.
 
 The benches write their own records (:mod:`sparsedraft.bench.record`). The
-long-context rows come from notebook 05 instead: its speedup-vs-context grid
-runs every method from one shared 32K prefill, tries several settings per
-context and draws the cost model's prediction beside the measured speedups.
-:func:`record_curve` turns the newest finished run of notebook 05 (of one
-profile, ``cpu`` by default: ``make reproduce``) into
-``docs/results/speedup-vs-context.json`` and copies its figure beside it, with
-the commit, date, machine and wall time the runner recorded for that run, so
-``python -m sparsedraft results --from-runs outputs`` refreshes both the table
-and the figure and nothing in them is typed by hand.
+speedup-vs-context rows come from notebook 05 instead: its curve runs every
+method from one shared prefill per context, tries several settings there and
+computes the cost model's prediction beside the measured speedups.
+:func:`record_curve` turns the newest finished run of notebook 05 of one
+profile (``cpu``: ``make reproduce``, 4K-8K; ``cpu-long``: 8K-32K) into
+``docs/results/speedup-vs-context-<profile>.json``, with the commit, date,
+machine and wall time the runner recorded for that run; :func:`record_timing`
+keeps the runner's timing of the whole profile. :func:`draw_curves` draws the
+README's one figure from every curve record, each context from the newest
+record that holds it, so ``python -m sparsedraft results --from-runs outputs``
+refreshes the table, the run times and the figure, and nothing in them is
+typed by hand.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +27,12 @@ from ..errors import require
 from .execute import PARAMETERS_FILE, read_record
 from .index import latest_results
 
-CURVE_RECORD = "speedup-vs-context.json"
+CURVE_RECORD = "speedup-vs-context-{profile}.json"
 TIMING_RECORD = "reproduce-{profile}.json"
 CURVE_FIGURE = "speedup-vs-context.png"
 NOTEBOOK = "05"
-# What the run must hold: the best setting per context, every run of the grid, the level-1 race, the figure.
-BEST, RUNS, RACE, FIGURE = ("speedup_vs_context.csv", "speedup_vs_context_runs.csv", "level1_race.csv",
-                           "speedup_vs_context.png")
+# What the run holds: the best setting per context and every run of the grid (both required), the level-1 race.
+BEST, RUNS, RACE = "speedup_vs_context.csv", "speedup_vs_context_runs.csv", "level1_race.csv"
 
 
 def _table(path: Path) -> list[dict[str, Any]]:
@@ -90,14 +91,14 @@ def curve_rows(folder: Path) -> list[dict[str, Any]]:
 
 
 def record_curve(outputs: str | Path = "outputs", profile: str = "cpu", folder: str | Path = RESULTS_DIR) -> Path:
-    """Write ``folder/speedup-vs-context.json`` and its figure from the newest finished notebook-05 run of
+    """Write ``folder/speedup-vs-context-<profile>.json`` from the newest finished notebook-05 run of
     ``profile`` under ``outputs``; one error naming what is missing when no such run holds the curve."""
     found = latest_results(outputs, NOTEBOOK, profile)
     require(found is not None, f"no finished run of notebook {NOTEBOOK} with profile {profile!r} under {outputs}: "
                                f"run `make reproduce` (or `python -m sparsedraft run --profile {profile} "
                                f"--notebooks {NOTEBOOK}`) first")
     run_dir = Path(found["run"])
-    missing = [name for name in (BEST, RUNS, FIGURE) if not (run_dir / name).is_file()]
+    missing = [name for name in (BEST, RUNS) if not (run_dir / name).is_file()]
     require(not missing, f"{run_dir} holds no speedup-vs-context curve ({', '.join(missing)} missing): that run "
                          "had curve_contexts empty; rerun notebook 05 with curve contexts")
     run = read_record(run_dir) or {}
@@ -108,14 +109,13 @@ def record_curve(outputs: str | Path = "outputs", profile: str = "cpu", folder: 
     parameters = json.loads((run_dir / PARAMETERS_FILE).read_text())
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(run_dir / FIGURE, out / CURVE_FIGURE)
     record = {"command": f"python -m sparsedraft run --profile {profile} --notebooks {NOTEBOOK}",
               "commit": run["commit"], "dirty": run.get("dirty"), "date": run["started"],
               "machine": {**run["machine"], "read_gb_s": speeds[len(speeds) // 2] if speeds else None,
                           "torch_threads": run.get("threads") or run["machine"].get("torch_threads")},
               "result": {"bench": "curve", "run": str(run_dir), "wall_s": run.get("wall_s"),
-                         "model": parameters.get("curve_model"), "figure": CURVE_FIGURE, "rows": rows}}
-    path = out / CURVE_RECORD
+                         "model": parameters.get("curve_model"), "rows": rows}}
+    path = out / CURVE_RECORD.format(profile=profile)
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     return path
 
@@ -137,4 +137,47 @@ def record_timing(outputs: str | Path = "outputs", profile: str = "cpu", folder:
                          "peak_rss_mb": run["peak_rss_mb"], "threads": run.get("threads"), "rows": run["notebooks"]}}
     path = Path(folder) / TIMING_RECORD.format(profile=profile)
     path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def draw_curves(folder: str | Path = RESULTS_DIR) -> Path | None:
+    """``folder/speedup-vs-context.png`` from every curve record in ``folder``: at each context the newest record
+    holding it gives TriForce's and retrieval's measured speedups and the cost model's prediction, and the title
+    names each record's date, commit and machine. None (and no file) when no curve record exists."""
+    import pandas as pd
+
+    from .. import report
+    from ..bench.record import load_records
+    curves = sorted(((r["date"], name, r) for name, r in load_records(folder) if r["result"].get("bench") == "curve"),
+                    reverse=True)
+    if not curves:
+        return None
+    points, sources, seen, models = [], [], set(), set()
+    for date, name, record in curves:
+        rows = [r for r in record["result"]["rows"] if r["context"] not in seen and r["options"].get("draft") != "feature"]
+        contexts = sorted({r["context"] for r in rows})
+        if not contexts:
+            continue
+        seen.update(contexts)
+        models.add(record["result"]["model"])
+        sources.append(f"{contexts[0] // 1000}K-{contexts[-1] // 1000}K: {date[:10]}, {record['commit'][:7]}, "
+                       f"{record['machine']['isa']}, {record['machine']['read_gb_s']:.0f} GB/s")
+        for r in rows:
+            label = "TriForce" if r["method"] == "triforce" else "retrieval self-speculation"
+            points.append({"context": r["context"], "speedup": r["speedup"], "method": label, "source": "measured"})
+            if r.get("predicted_speedup"):
+                points.append({"context": r["context"], "speedup": r["predicted_speedup"], "method": label,
+                               "source": "cost model"})
+    fig = report.line_figure(pd.DataFrame(points), "context", "speedup", hue="method", style="source", logx=True,
+                             xlabel="context (tokens)", ylabel="speedup over plain decoding", hline=1.0,
+                             title="\n".join([f"greedy decoding, {', '.join(sorted(models))}", *sources]))
+    ax = fig.axes[0]
+    ticks = sorted(seen)
+    ax.set_xticks(ticks, [f"{c / 1000:g}K" for c in ticks])
+    ax.minorticks_off()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    path = Path(folder) / CURVE_FIGURE
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+    plt.close(fig)
     return path
