@@ -231,6 +231,16 @@ def test_a_forced_path_this_cpu_lacks_is_one_error_before_any_build(monkeypatch)
         kernels.requested_isa()
 
 
+def test_the_cli_refuses_a_forced_path_this_cpu_lacks_before_any_work(monkeypatch, capsys):
+    import sparsedraft.__main__ as cli
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2"})
+    monkeypatch.setattr(kernels, "_isa", None)
+    monkeypatch.setenv("SPARSEDRAFT_KERNEL_ISA", "avx2")
+    monkeypatch.setitem(cli.COMMANDS, "results", ("", lambda parser: None, lambda args: pytest.fail("it ran")))
+    assert cli.main(["results"]) == 2
+    assert "cannot run the avx2 kernel path" in capsys.readouterr().err
+
+
 def test_the_portable_path_reports_itself(built):
     if built == "portable" and platform.machine() in ("x86_64", "AMD64"):
         assert kernels._module.vector_path == "portable"  # no AVX in the build: the baseline's code

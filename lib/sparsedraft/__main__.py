@@ -32,6 +32,7 @@ from .bench.tuned import SOURCE, TUNED, tuned_context, tuned_options
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
 from .cliopts import add_config_options, config_from_args, values_from_args
+from .engine import kernels
 from .engine.machine import provenance
 from .errors import SparsedraftError
 from .runner.cli import HELP as RUN_HELP
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a record names as its command
     try:
+        if kernels.enabled():  # a forced vector path this CPU lacks: one error now, not after a prefill
+            kernels.check_isa(kernels.requested_isa())
         return COMMANDS[args.command][2](args) or 0
     except SparsedraftError as exc:
         print(f"error: {exc}", file=sys.stderr)
