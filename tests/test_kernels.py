@@ -96,6 +96,17 @@ def test_rows_equal_one_token_calls_bitwise(built, dtype, g, t, s, d):
         assert torch.equal(out[:, :, token::t], one), f"token {token} of {t} differs from its 1-token call"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,kv,g,t,s,d", CASES[::2])
+def test_keys_as_lanes_and_rows_as_lanes_give_the_same_bits(built, dtype, b, kv, g, t, s, d):
+    """The two ways a chunk is computed (kernels.KEY_ROWS picks one by the rows per KV head) agree
+    bitwise, so a decode and a verification may take different ones."""
+    q, k, v = _inputs(b, kv, g, t, s, d, dtype, seed=3, q_scale=3.0)
+    by_rows = kernels.attend(q, k, v, d ** -0.5, t, key_rows=0)
+    by_keys = kernels.attend(q, k, v, d ** -0.5, t, key_rows=g * t)
+    assert torch.equal(by_rows, by_keys)
+
+
 def test_result_independent_of_thread_count(built):
     q, k, v = _inputs(2, 3, 3, 8, 3000, 64, torch.float32, seed=2)
     threads = torch.get_num_threads()

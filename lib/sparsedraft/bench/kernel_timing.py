@@ -1,4 +1,6 @@
-"""Time the C++ attention kernel against torch SDPA on SmolLM2-135M-shaped decode attention.
+"""Time the C++ attention kernel against torch SDPA on SmolLM2-135M-shaped decode attention, and the kernel as
+it runs (keys as lanes for steps of at most ``kernels.KEY_ROWS`` rows per KV head) against its rows-as-lanes
+path alone.
 
 Not a test (a test never asserts a wall-clock time): ``python -m sparsedraft.bench.kernel_timing``.
 Each step attends ``layers`` separate caches (so the KV comes from memory, as in a real forward),
@@ -45,6 +47,9 @@ def time_step(layers: int = 30, heads: int = 9, kv: int = 3, d: int = 64, contex
     def kernel():
         return [attend(qg, k, v, scale, t) for k, v in caches]
 
+    def row_lanes():  # the kernel with every step on its rows-as-lanes path (KEY_ROWS picks per step)
+        return [attend(qg, k, v, scale, t, key_rows=0) for k, v in caches]
+
     def timed(fn):
         def run():
             start = time.perf_counter()
@@ -53,7 +58,8 @@ def time_step(layers: int = 30, heads: int = 9, kv: int = 3, d: int = 64, contex
         return run
 
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(sdpa(), kernel()))
-    runs = interleaved_runs({"sdpa": timed(sdpa), "kernel": timed(kernel)}, warmup, repeats)
+    runs = interleaved_runs({"sdpa": timed(sdpa), "kernel": timed(kernel), "kernel, rows as lanes": timed(row_lanes)},
+                            warmup, repeats)
     kv_bytes = layers * 2 * kv * context * d * caches[0][0].element_size()
     rows = []
     for name, seconds in runs.items():

@@ -44,6 +44,10 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("decode_attention.cpp", "few_rows_linear.cpp", "bindings.cpp"))
 MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
 LANES = 16  # decode_attention.cpp's kLanes: query rows of a KV head are computed in blocks of this many
+# Steps with at most this many query rows per KV head (a decode's group of g heads, a 2-token step) compute
+# with keys as lanes instead: row lanes would be mostly padding (3 of 16 for SmolLM2's decode). Where the
+# two cross: `python -m sparsedraft.bench.kernel_timing` times both (docs/engine.md).
+KEY_ROWS = 6
 # Tried in order: the first that builds is kept. -march=native with 512-bit vectors where the compiler
 # takes it, then the portable build. -ffp-contract=off keeps every multiply-add explicit (exactness).
 FLAG_SETS = (
@@ -211,12 +215,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> None:
     require(q.device.type == k.device.type == v.device.type == "cpu", "attend runs on CPU tensors only")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: int,
+           key_rows: int = KEY_ROWS) -> torch.Tensor:
     """Attention of q [B, KV, g*T, D] (row i*T + t: head i of the group, new token t) over k, v
     [B, KV, S, D] whose last T keys are the new tokens; row t sees keys 0 .. S-T+t. Returns
     [B, KV, g*T, D] in q's dtype. k, v may be views into bigger buffers (rows of D contiguous values,
     consecutive keys D apart); they are read in place. Each row's result is bitwise independent of T
-    and of the other rows. Call :func:`available` first."""
+    and of the other rows. ``key_rows``: steps of at most this many rows per KV head compute with keys
+    as vector lanes, others with rows as lanes (same bits either way; the tests force each path). Call
+    :func:`available` first."""
     _check(q, k, v, t)
     require(k.stride(3) == 1 and v.stride(3) == 1 and k.stride(2) == k.shape[3] and v.stride(2) == v.shape[3],
             f"k/v need contiguous rows with consecutive keys head_dim apart, got strides {k.stride()}, "
@@ -224,7 +231,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: i
     if not available():
         reason = _failure if enabled() else "SPARSEDRAFT_KERNELS=0"
         raise RuntimeError(f"the C++ attention kernel is unavailable ({reason}); check kernels.available() first")
-    return _module.attend(q, k, v, float(scale), int(t))
+    return _module.attend(q, k, v, float(scale), int(t), int(key_rows))
 
 
 def is_tail_causal(mask: torch.Tensor, t: int) -> bool:

@@ -14,7 +14,9 @@
 // gives, bit for bit, what T one-token decodes over the growing prefix give. Multiply-adds are
 // explicit (madd) and the build turns off floating-point contraction, so every copy of a loop rounds
 // the same way. `omp simd` marks the lane loops (no reductions across lanes) so the compiler
-// vectorises them the way they are written.
+// vectorises them the way they are written. Steps with few rows per KV head (a decode: g rows) take
+// the keys as lanes instead (attend_chunk_by_keys), since rows as lanes would be mostly padding; each
+// (key, row) still gets the same chain of operations, so both ways give the same bits.
 //
 // Layouts: q [B, KV, R, D] with row r = i*T + t (query head i of the group, new token t); k, v
 // [B, KV, S, D] with the last dimension contiguous and consecutive keys D floats apart (views into
@@ -34,8 +36,23 @@
 #include <memory>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
+// Floats the accumulators of one register block may hold: about three quarters of the vector register
+// file the build targets (32 x 16 with AVX-512, 16 x 8 with AVX2, 16 x 4 otherwise), so the blocks
+// below stay in registers instead of spilling. Block sizes only decide which lanes run side by side,
+// never a row's order of operations, so they change no bits.
+#if defined(__AVX512F__)
+constexpr int kAccFloats = 384;
+#elif defined(__AVX__)
+constexpr int kAccFloats = 96;
+#else
+constexpr int kAccFloats = 48;
+#endif
 constexpr int64_t kChunk = 256;  // keys per work item; fixed positions, part of the exactness contract
 constexpr int64_t kLanes = 16;   // query rows handled side by side in the score and softmax loops
 constexpr float kLog2e = 1.4426950408889634f;
@@ -87,6 +104,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, like torch
 
 struct Shape {
   int64_t B, KV, R, T, S, D;
+  int64_t key_rows;  // steps of at most this many rows per KV head take the keys-as-lanes path
   int64_t rp;       // R rounded up to kLanes
   int64_t chunks;   // ceil(S / kChunk)
   int64_t visible(int64_t r) const { return S - T + r % T + 1; }  // keys row r sees
@@ -117,7 +135,7 @@ void score_keys(const float* qt, const float* k, float* s, int64_t D, int64_t rp
 template <int NV>
 void score_rows(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t v0, int64_t len,
                 const char* next, int64_t next_bytes_per_key) {
-  constexpr int KB = NV == 1 ? 8 : 4;
+  constexpr int KB = std::clamp(kAccFloats / (NV * static_cast<int>(kLanes)), 1, NV == 1 ? 8 : 4);
   int64_t j = 0;
   for (; j + KB <= len; j += KB) {
     if (next != nullptr)
@@ -138,9 +156,10 @@ void score(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int
 }
 
 // o[RB rows][DW columns from d0] += sum over keys j in [j0, j1) of p[j][r0 + row] * v[j][d0 + col],
-// one madd per key in key order for every (row, column).
+// one madd per key in key order for every (row, column). p[j][r] sits at p[j * pk + r * pr]: rows as
+// lanes (pk = rp, pr = 1) or keys as lanes (pk = 1, pr = kChunk).
 template <int RB, int DW>
-void weigh_values(const float* p, int64_t rp, const float* v, int64_t D, int64_t r0, int64_t d0,
+void weigh_values(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t d0,
                   int64_t j0, int64_t j1, float* o) {
   float acc[RB][DW];
   for (int rr = 0; rr < RB; ++rr)
@@ -149,7 +168,7 @@ void weigh_values(const float* p, int64_t rp, const float* v, int64_t D, int64_t
   for (int64_t j = j0; j < j1; ++j) {
     const float* vj = v + j * D + d0;
     for (int rr = 0; rr < RB; ++rr) {
-      const float pj = p[j * rp + r0 + rr];
+      const float pj = p[j * pk + (r0 + rr) * pr];
 #pragma omp simd
       for (int c = 0; c < DW; ++c) acc[rr][c] = madd(pj, vj[c], acc[rr][c]);
     }
@@ -162,36 +181,128 @@ void weigh_values(const float* p, int64_t rp, const float* v, int64_t D, int64_t
 // Rows [r0, r1) over keys [j0, j1) for the columns [0, D): column tiles of DW, four rows at a time
 // and the leftover rows as one block; leftover columns one at a time (the same madd chain per element).
 template <int DW>
-void weigh_rows(const float* p, int64_t rp, const float* v, int64_t D, int64_t r0, int64_t r1,
+void weigh_rows(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
                 int64_t j0, int64_t j1, float* o) {
+  constexpr int RB = std::clamp(kAccFloats / DW, 1, 4);  // rows per register block
   const int64_t dfull = D / DW * DW;
   for (int64_t d0 = 0; d0 < dfull; d0 += DW) {
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) weigh_values<4, DW>(p, rp, v, D, r, d0, j0, j1, o);
+    for (; r + RB <= r1; r += RB) weigh_values<RB, DW>(p, pk, pr, v, D, r, d0, j0, j1, o);
     switch (r1 - r) {
-      case 3: weigh_values<3, DW>(p, rp, v, D, r, d0, j0, j1, o); break;
-      case 2: weigh_values<2, DW>(p, rp, v, D, r, d0, j0, j1, o); break;
-      case 1: weigh_values<1, DW>(p, rp, v, D, r, d0, j0, j1, o); break;
+      case 3: weigh_values<3, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
+      case 2: weigh_values<2, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
+      case 1: weigh_values<1, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
       default: break;
     }
   }
   for (int64_t d0 = dfull; d0 < D; ++d0)
-    for (int64_t r = r0; r < r1; ++r) weigh_values<1, 1>(p, rp, v, D, r, d0, j0, j1, o);
+    for (int64_t r = r0; r < r1; ++r) weigh_values<1, 1>(p, pk, pr, v, D, r, d0, j0, j1, o);
 }
 
-void weigh(const float* p, int64_t rp, const float* v, int64_t D, int64_t r0, int64_t r1, int64_t j0,
-           int64_t j1, float* o) {
-  if (D % 64 == 0) {
-    weigh_rows<64>(p, rp, v, D, r0, r1, j0, j1, o);
-  } else if (D % 32 == 0) {
-    weigh_rows<32>(p, rp, v, D, r0, r1, j0, j1, o);
+void weigh(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
+           int64_t j0, int64_t j1, float* o) {
+  if (D % 64 == 0 && kAccFloats >= 3 * 64) {
+    weigh_rows<64>(p, pk, pr, v, D, r0, r1, j0, j1, o);
+  } else if (D % 32 == 0 && kAccFloats >= 3 * 32) {
+    weigh_rows<32>(p, pk, pr, v, D, r0, r1, j0, j1, o);
   } else {
-    weigh_rows<16>(p, rp, v, D, r0, r1, j0, j1, o);
+    weigh_rows<16>(p, pk, pr, v, D, r0, r1, j0, j1, o);
+  }
+}
+
+// Keys as lanes, for steps with few query rows per KV head: a decode's g rows would fill g of the row
+// path's 16 lanes, so most of its score and softmax arithmetic would be padding. The chunk's keys are
+// transposed to kt [D][kChunk]; row r's score of key j is the same madd chain over d in order from 0
+// as in the row path, its softmax the same max, exponentials and in-order sum, so every (key, row)
+// gets the same bits on either path.
+constexpr int64_t kKeyBlock = 64;  // keys scored side by side for one row
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint16_t h;
+  std::memcpy(&h, &x, sizeof h);
+  return bf16_to_float(h);
+}
+
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift: exact
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// kt[d0 + i][j0 .. j0 + 7] = k[j0 .. j0 + 7][d0 + i] for i < 8: one 8x8 block, moved exactly.
+template <typename scalar_t>
+inline void transpose8(const scalar_t* k, int64_t D, float* kt) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = load8(k + i * D);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(kt + i * kChunk, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(kt + (i + 4) * kChunk, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+#endif
+
+// Prefetch the part [from, to) of a byte range (64-byte lines) into L2.
+inline void prefetch_span(const char* base, int64_t from, int64_t to) {
+  for (int64_t b = from / 64 * 64; b < to; b += 64) __builtin_prefetch(base + b, 0, 2);
+}
+
+// kt[d][j] = k[j][d] for j < len (8x8 blocks where AVX2 is built in, element by element elsewhere and
+// for the edges). Along the way, in step with the keys moved, this chunk's values (used once the keys
+// are scored) and the next chunk's keys are prefetched, so memory keeps streaming while this one is
+// computed instead of stalling at each first touch.
+template <typename scalar_t>
+void transpose_keys(const scalar_t* k, int64_t len, int64_t D, float* kt, const char* values,
+                    int64_t value_bytes, const char* next_keys, int64_t next_bytes) {
+  int64_t j8 = 0, d8 = 0;
+  const auto prefetch_upto = [&](int64_t j0, int64_t j1) {  // the share of keys [j0, j1) of the chunk
+    prefetch_span(values, j0 * value_bytes / len, j1 * value_bytes / len);
+    if (next_keys != nullptr) prefetch_span(next_keys, j0 * next_bytes / len, j1 * next_bytes / len);
+  };
+#if defined(__AVX2__)
+  j8 = len / 8 * 8, d8 = D / 8 * 8;
+  for (int64_t j = 0; j < j8; j += 8) {
+    prefetch_upto(j, j + 8);
+    for (int64_t d = 0; d < d8; d += 8) transpose8(k + j * D + d, D, kt + d * kChunk + j);
+  }
+#endif
+  prefetch_upto(j8, len);
+  for (int64_t d = 0; d < D; ++d) {
+    float* row = kt + d * kChunk;
+    for (int64_t j = d < d8 ? j8 : 0; j < len; ++j) row[j] = to_float(k[j * D + d]);
+  }
+}
+
+void score_by_keys(const float* qt, int64_t rp, const float* kt, float* s, int64_t D, int64_t R, int64_t len) {
+  for (int64_t j0 = 0; j0 < len; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, len - j0);
+    for (int64_t r = 0; r < R; ++r) {
+      float acc[kKeyBlock] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qt[d * rp + r];
+        const float* kd = kt + d * kChunk + j0;
+#pragma omp simd
+        for (int64_t l = 0; l < kKeyBlock; ++l) acc[l] = madd(kd[l], qd, acc[l]);
+      }
+      float* sr = s + r * kChunk + j0;
+      for (int64_t l = 0; l < n; ++l) sr[l] = acc[l];
+    }
   }
 }
 
 struct Scratch {  // per thread, reused across calls
-  std::vector<float> scores, keys, values, row;
+  std::vector<float> scores, keys, values, row, keys_t;
   std::vector<int64_t> seen;
 };
 
@@ -213,6 +324,51 @@ const float* as_floats<at::BFloat16>(const at::BFloat16* src, int64_t n, std::ve
   return out;
 }
 
+// attend_chunk with keys as lanes (steps of at most sh.key_rows rows): the same outputs, bit for bit.
+template <typename scalar_t>
+void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, const scalar_t* vc, int64_t c0,
+                          int64_t len, const scalar_t* next_k, int64_t next_len, Scratch& scratch, float* o,
+                          float* m, float* l) {
+  const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (static_cast<int64_t>(scratch.keys_t.size()) < D * kChunk) scratch.keys_t.assign(D * kChunk, 0.0f);
+  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
+  float* s = scratch.scores.data();  // [R][kChunk]
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  transpose_keys(kc, len, D, scratch.keys_t.data(), reinterpret_cast<const char*>(vc), len * row_bytes,
+                 reinterpret_cast<const char*>(next_k), next_len * row_bytes);
+  score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, len);
+
+  int64_t seen_by_all = len;
+  scratch.seen.resize(R);
+  int64_t* seen = scratch.seen.data();
+  for (int64_t r = 0; r < R; ++r) {
+    seen[r] = std::clamp<int64_t>(sh.visible(r) - c0, 0, len);
+    seen_by_all = std::min(seen_by_all, seen[r]);
+    float* sr = s + r * kChunk;
+    for (int64_t j = seen[r]; j < len; ++j) sr[j] = kNegInf;
+    const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;  // within kChunk: whole blocks of lanes
+    for (int64_t j = len; j < padded; ++j) sr[j] = kNegInf;
+    float mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < len; ++j) mx = sr[j] > mx ? sr[j] : mx;
+    for (int64_t j0 = 0; j0 < padded; j0 += kLanes) {  // fixed-width blocks, so the compiler vectorises
+      float* block = sr + j0;
+#pragma omp simd
+      for (int64_t x = 0; x < kLanes; ++x) block[x] = exp2_nonpositive(block[x] - mx);
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < len; ++j) sum += sr[j];  // in key order, as the row path adds
+    m[r] = seen[r] > 0 ? mx : kNegInf;
+    l[r] = sum;
+  }
+  const float* v = as_floats(vc, len * D, scratch.values);
+  std::fill(o, o + R * D, 0.0f);
+  weigh(s, 1, kChunk, v, D, 0, R, 0, seen_by_all, o);
+  for (int64_t r = 0; r < R; ++r)
+    if (seen[r] > seen_by_all) weigh(s, 1, kChunk, v, D, r, r + 1, seen_by_all, seen[r], o);
+}
+
 // One chunk of one (batch, kv head): writes o [R][D] (unnormalised), m [R] (row max, -inf when the
 // row sees none of these keys) and l [R] (sum of exponentials).
 template <typename scalar_t>
@@ -220,6 +376,10 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
                   int64_t len, const scalar_t* next_k, int64_t next_len, Scratch& scratch, float* o, float* m,
                   float* l) {
   const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+  if (R <= sh.key_rows) {
+    attend_chunk_by_keys(sh, qt, kc, vc, c0, len, next_k, next_len, scratch, o, m, l);
+    return;
+  }
   if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
   float* s = scratch.scores.data();
 
@@ -265,9 +425,9 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
 
   const float* v = as_floats(vc, len * D, scratch.values);
   std::fill(o, o + R * D, 0.0f);
-  weigh(s, rp, v, D, 0, R, 0, seen_by_all, o);
+  weigh(s, rp, 1, v, D, 0, R, 0, seen_by_all, o);
   for (int64_t r = 0; r < R; ++r)
-    if (seen[r] > seen_by_all) weigh(s, rp, v, D, r, r + 1, seen_by_all, seen[r], o);
+    if (seen[r] > seen_by_all) weigh(s, rp, 1, v, D, r, r + 1, seen_by_all, seen[r], o);
 }
 
 // Row r of (b, kv): merge its chunks in order into out.
@@ -354,7 +514,8 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
 
 }  // namespace
 
-at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T) {
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T,
+                  int64_t key_rows) {
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4-d [B, KV, rows, D]");
   TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors only");
   TORCH_CHECK(q_in.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
@@ -372,7 +533,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor&
   const at::Tensor q = q_in.contiguous();
   at::Tensor out = at::empty({B, KV, R, D}, q.options());
   if (B == 0 || KV == 0 || R == 0 || D == 0) return out;
-  const Shape sh{B, KV, R, T, S, D, (R + kLanes - 1) / kLanes * kLanes, (S + kChunk - 1) / kChunk};
+  const Shape sh{B, KV, R, T, S, D, key_rows, (R + kLanes - 1) / kLanes * kLanes, (S + kChunk - 1) / kChunk};
   if (q.scalar_type() == at::kFloat) {
     run<float>(sh, q, k, v, scale, out);
   } else {
