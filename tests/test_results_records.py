@@ -235,3 +235,19 @@ def test_step_rows_flatten_every_timed_step_with_its_record(tmp_path):
     assert [(r["record"], r["method"], r["step"], r["ms"], r["roofline_ms"]) for r in rows] == [
         ("tri.json", "ar", "decode", 200.0, 80.0), ("tri.json", "triforce", "level2 verify-4", 120.0, 60.0)]
     assert rows[0]["read_gb_s"] == 20.0 and rows[0]["date"] == record["date"][:10] and "gb" not in rows[0]
+
+
+def test_kernel_timing_writes_a_record_with_its_own_bandwidth(tmp_path, capsys):
+    from sparsedraft.bench import kernel_timing
+    from sparsedraft.engine import kernels
+    if not kernels.available():
+        pytest.skip("the C++ kernel does not build here")
+    with pytest.raises(SparsedraftError, match="takes a .json path"):
+        kernel_timing.main(["--record", str(tmp_path / "k.txt")])
+    kernel_timing.main(["--context", "300", "--tokens", "1", "3", "--dtype", "fp32", "--repeats", "1",
+                        "--record", str(tmp_path / "k.json")])
+    [(name, record)] = load_records(tmp_path)
+    rows = record["result"]["rows"]
+    assert {r["method"] for r in rows} == {"sdpa", "kernel", "kernel, rows as lanes"} and len(rows) == 6
+    assert record["machine"]["read_gb_s"] > 0 and record["command"].endswith(f"--record {tmp_path / 'k.json'}")
+    assert render_table([(name, record)]).count("\n") == 1  # a kernel record adds no results-table row

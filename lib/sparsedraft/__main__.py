@@ -93,7 +93,8 @@ def add_results_parser(parser: argparse.ArgumentParser) -> None:
                         help="first record the newest finished notebook-05 run of --profile under this folder "
                              "(e.g. outputs) as speedup-vs-context-<profile>.json, and the runner's timing of "
                              "that profile (run-<profile>.json) as reproduce-<profile>.json")
-    parser.add_argument("--profile", default="cpu", help="profile of that run (default: cpu, make reproduce's; cpu-long: its 16K-32K curve)")
+    parser.add_argument("--profile", default="cpu",
+                        help="profile of that run (default: cpu, make reproduce's; cpu-long: the 8K-32K curve)")
 
 
 def run_results(args: argparse.Namespace) -> None:

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from ..engine.kernels import attend, available
+from ..engine.kernels import attend, available, path
+from ..engine.machine import provenance
+from ..engine.roofline import measure_read_bandwidth
+from ..errors import require
+from .record import write_record
 from .timing import interleaved_runs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -77,18 +83,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--record", default="", metavar="PATH.json",
+                        help="also write the rows as a results record (docs/results/), with this process's read "
+                             "bandwidth, the ISA and the commit")
     args = parser.parse_args(argv)
+    require(not args.record or args.record.endswith(".json"), f"--record takes a .json path, got {args.record!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not available():
         raise SystemExit("the C++ kernel is unavailable here; nothing to time")
     rows = [row for context in args.context for dtype in args.dtype for t in args.tokens
             for row in time_step(context=context, t=t, dtype=dtype, repeats=args.repeats)]
-    print(f"{'context':>8} {'T':>3} {'dtype':>5} {'method':>7} {'ms':>8} {'KV GB/s':>8} {'KV MB':>7}")
+    print(f"kernels: {path()}")
+    print(f"{'context':>8} {'T':>3} {'dtype':>5} {'method':>21} {'ms':>8} {'KV GB/s':>8} {'KV MB':>7}")
     for row in rows:
-        print(f"{row['context']:>8} {row['T']:>3} {row['dtype']:>5} {row['method']:>7} {row['ms']:>8.2f} "
+        print(f"{row['context']:>8} {row['T']:>3} {row['dtype']:>5} {row['method']:>21} {row['ms']:>8.2f} "
               f"{row['kv_gb_s']:>8.1f} {row['kv_mb']:>7.1f}")
-    print(json.dumps({"threads": torch.get_num_threads(), "rows": rows}))
+    result = {"bench": "kernel_timing", "threads": torch.get_num_threads(), "kernels": path(), "rows": rows}
+    if args.record:
+        started = provenance()
+        read = measure_read_bandwidth() / 1e9
+        result["read_gb_s"] = read
+        command = "python -m sparsedraft.bench.kernel_timing " + shlex.join(argv if argv is not None else sys.argv[1:])
+        print(f"record written to {write_record(args.record, result, read, command, started)}", file=sys.stderr)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -144,6 +144,7 @@ def draw_curves(folder: str | Path = RESULTS_DIR) -> Path | None:
     """``folder/speedup-vs-context.png`` from every curve record in ``folder``: at each context the newest record
     holding it gives TriForce's and retrieval's measured speedups and the cost model's prediction, and the title
     names each record's date, commit and machine. None (and no file) when no curve record exists."""
+    import matplotlib.pyplot as plt
     import pandas as pd
 
     from .. import report
@@ -178,6 +179,5 @@ def draw_curves(folder: str | Path = RESULTS_DIR) -> Path | None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     path = Path(folder) / CURVE_FIGURE
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    import matplotlib.pyplot as plt
     plt.close(fig)
     return path

@@ -178,7 +178,7 @@ void weigh_values(const float* p, int64_t pk, int64_t pr, const float* v, int64_
     for (int c = 0; c < DW; ++c) o[(r0 + rr) * D + d0 + c] = acc[rr][c];
 }
 
-// Rows [r0, r1) over keys [j0, j1) for the columns [0, D): column tiles of DW, four rows at a time
+// Rows [r0, r1) over keys [j0, j1) for the columns [0, D): column tiles of DW, RB rows at a time
 // and the leftover rows as one block; leftover columns one at a time (the same madd chain per element).
 template <int DW>
 void weigh_rows(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
@@ -342,12 +342,12 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
   int64_t seen_by_all = len;
   scratch.seen.resize(R);
   int64_t* seen = scratch.seen.data();
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;  // within kChunk: whole blocks of lanes
   for (int64_t r = 0; r < R; ++r) {
     seen[r] = std::clamp<int64_t>(sh.visible(r) - c0, 0, len);
     seen_by_all = std::min(seen_by_all, seen[r]);
     float* sr = s + r * kChunk;
     for (int64_t j = seen[r]; j < len; ++j) sr[j] = kNegInf;
-    const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;  // within kChunk: whole blocks of lanes
     for (int64_t j = len; j < padded; ++j) sr[j] = kNegInf;
     float mx = kNegInf;
 #pragma omp simd reduction(max : mx)
