@@ -11,6 +11,7 @@ from sparsedraft.__main__ import main
 from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
 from sparsedraft.budgetdraft.feature_eval import accepted_per_round
 from sparsedraft.budgetdraft.feature_loss import unroll
+from sparsedraft.budgetdraft import feature_train
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
 from sparsedraft.engine.cache import StaticCache
 from sparsedraft.errors import SparsedraftError
@@ -131,6 +132,37 @@ def test_the_saved_drafter_loads_for_its_target_only(tmp_path):
         assert record["data"]["sampled_tokens"] == 96
     with pytest.raises(SparsedraftError, match="trained for target"):
         load_feature_head(tmp_path / "export", tiny_model("llama", seed=1))
+
+
+def test_a_warm_start_begins_at_the_folders_weights_and_keeps_its_lineage(tmp_path, monkeypatch):
+    target = tiny_model("llama")
+    first = train_feature_drafter(config(tmp_path, "a", steps=2), target, progress=False, provenance=False)
+    folder = first.run_dir / "drafter"
+    saved = load_feature_head(folder, target).state_dict()
+    starts = []
+    real_step = feature_train.train_step
+
+    def first_weights(cfg, head, *args):
+        if not starts:
+            starts.append({k: v.clone() for k, v in head.state_dict().items()})
+        return real_step(cfg, head, *args)
+
+    monkeypatch.setattr(feature_train, "train_step", first_weights)
+    warm = train_feature_drafter(config(tmp_path, "b", steps=2, head_init=str(folder)), target, progress=False,
+                                 provenance=False)
+    assert all(torch.equal(starts[0][k], saved[k]) for k in saved)  # the first step sees the folder's head
+    assert not all(torch.equal(warm.head.state_dict()[k], saved[k]) for k in saved)  # and it trains on
+    assert warm.history[0]["step"] == 0 and "eval" in warm.history[0]  # the curve starts at its agreement
+    assert warm.record["started_from"]["steps"] == 2
+    assert warm.record["started_from"]["held_out_agreement"] == first.record["held_out_agreement"]
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("teacher data was made before the folder was checked")
+
+    monkeypatch.setattr("sparsedraft.budgetdraft.feature_train.load_feature_data", no_data)
+    with pytest.raises(SparsedraftError, match="trained for target"):
+        train_feature_drafter(config(tmp_path, "d", head_init=str(folder)), tiny_model("llama", seed=1),
+                              progress=False, provenance=False)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -50,6 +50,10 @@ class FeatureTrainConfig:
         "help": "fc's embedding half starts as embed_gain * (feature RMS / embedding RMS) * I, so the next token "
                 "is heard as loud as the feature (0: EAGLE's pass-through; SmolLM2's features are ~300x louder "
                 "than its embeddings, more than AdamW can learn up in a few hundred steps)"})
+    head_init: str = field(default="", metadata={
+        "help": "start from this trained feature-drafter folder (checked against the verifier; a fresh optimizer "
+                "and schedule): more data or steps without retraining from scratch; empty: EAGLE's start from "
+                "the target's top block"})
     unroll: int = field(default=3, metadata={"help": "draft steps of the training-time test after the first"})
     chains: int = field(default=256, metadata={"help": "chain starts per window that the unroll follows"})
     step_decay: float = field(default=0.8, metadata={"help": "weight of unroll step j is step_decay ** j"})

@@ -37,7 +37,7 @@ from ..engine.model import Transformer
 from ..engine.weights import load_model
 from ..errors import require
 from ..progress import bar, bars_on
-from ..speculative.feature import FeatureHead, save_feature_head
+from ..speculative.feature import FeatureHead, check_feature_drafter, load_feature_head, save_feature_head
 from ..speculative.vocab import frequent_tokens
 from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
 from .feature_config import FeatureTrainConfig
@@ -234,6 +234,9 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     target = target if target is not None else load_model(cfg.verifier, device=cfg.device)
     target.requires_grad_(False)
     tokenizer = tokenizer if tokenizer is not None else model_tokenizer(cfg.verifier)
+    lineage = None
+    if cfg.head_init and saved is None:  # a wrong folder is refused before the teacher data is made
+        lineage = started_from(check_feature_drafter(cfg.head_init, target))
     data = load_feature_data(cfg, target, tokenizer, progress)
     data_seconds = time.time() - began
 
@@ -246,7 +249,10 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         optimizer.load_state_dict(optimizer_state(cfg.run_dir / "optimizer.safetensors", saved["param_groups"]))
         step, history = saved["step"], saved["history"]
     else:
-        init_head(head, target, data.scale, cfg.embed_gain)
+        if cfg.head_init:
+            head.load_state_dict(load_feature_head(cfg.head_init, target).state_dict())
+        else:
+            init_head(head, target, data.scale, cfg.embed_gain)
         if cfg.eval_every:
             history.append({"step": 0, "tokens": 0, "eval": held_out_agreement(cfg, head, data)})
     tokens = TokenHead(head, data.ids)
@@ -277,6 +283,8 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     record = run_record(cfg, data, history, began, data_seconds, final, started if provenance else None)
     if saved is not None:  # wall time and peak RSS below are this process's only; the steps before were another's
         record["resumed_from_step"] = saved["step"]
+    if lineage is not None:  # the export may overwrite the folder it started from: keep what it was
+        record["started_from"] = lineage
     if evaluate is not None:
         record["measured"] = evaluate(head)
     record["wall_seconds"] = round(time.time() - began, 1)
@@ -289,6 +297,13 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         for item in drafter.iterdir():
             shutil.copy2(item, Path(cfg.export) / item.name)
     return FeatureTrainResult(cfg.run_dir, head, step, history, record)
+
+
+def started_from(record: dict[str, Any]) -> dict[str, Any]:
+    """What a warm start's record keeps of the drafter it began from (its run, data and agreement), nested so
+    a chain of warm starts stays readable."""
+    keep = ("command", "commit", "started", "steps", "data", "held_out_agreement", "started_from")
+    return {k: record[k] for k in keep if k in record}
 
 
 def run_record(cfg: FeatureTrainConfig, data: FeatureData, history: list[dict[str, Any]], began: float,
