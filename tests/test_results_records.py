@@ -178,9 +178,16 @@ def test_the_reproduce_record_carries_the_runners_timing(tmp_path):
     (outputs / "run-cpu.json").write_text(json.dumps({
         "profile": "cpu", "commit": "ab" * 20, "dirty": False, "date": "2026-12-04T16:00:00Z", "wall_s": 3000.0,
         "peak_rss_mb": 5400, "machine": {"isa": "AVX2+FMA", "read_gb_s": None}, "threads": None,
-        "notebooks": [{"notebook": "01_bottleneck_shift", "status": "ok", "wall_s": 250.0, "run": "x"}]}))
+        "notebooks": [{"notebook": "01_bottleneck_shift", "status": "ok", "wall_s": 250.0, "run": "x"},
+                      {"notebook": "02_attention_sparsity", "status": "ok", "wall_s": 90.0,
+                       "run": "outputs/02_attention_sparsity/cpu-1234"}]}))
+    run = outputs / "02_attention_sparsity" / "cpu-1234"
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text(json.dumps({"recovery_topk": 0.89, "debug": 3, "headline": ["recovery_topk"]}))
     (tmp_path / "results").mkdir()
     record = json.loads(record_timing(outputs, "cpu", tmp_path / "results", read_gb_s=21.5).read_text())
+    assert "metrics" not in record["result"]["rows"][0]  # no run folder: no metrics, no error
+    assert record["result"]["rows"][1]["metrics"] == {"recovery_topk": 0.89}  # the headline keys only
     assert record["result"]["wall_s"] == 3000.0 and record["result"]["rows"][0]["wall_s"] == 250.0
     assert record["machine"]["read_gb_s"] == 21.5
     measured = json.loads((outputs / "run-cpu.json").read_text())  # --measure-machine: the run's own bandwidth wins
@@ -191,7 +198,7 @@ def test_the_reproduce_record_carries_the_runners_timing(tmp_path):
     assert load_records(tmp_path / "results")  # a valid record; the results table has no row for it
     assert render_table(load_records(tmp_path / "results")).count("\n") == 1
     times = render_times(load_records(tmp_path / "results")).splitlines()
-    assert times[2] == ("| `cpu` | 50 min | 01 250 s | 5.3 GB | 2026-12-04, abababa | AVX2+FMA, 17.0 GB/s, 30 GFLOP/s "
+    assert times[2] == ("| `cpu` | 50 min | 01 250 s, 02 90 s | 5.3 GB | 2026-12-04, abababa | AVX2+FMA, 17.0 GB/s, 30 GFLOP/s "
                         "| [reproduce-cpu.json](docs/results/reproduce-cpu.json) |")
 
 
