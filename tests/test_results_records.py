@@ -187,7 +187,7 @@ def test_the_reproduce_record_carries_the_runners_timing(tmp_path):
     (tmp_path / "results").mkdir()
     record = json.loads(record_timing(outputs, "cpu", tmp_path / "results", read_gb_s=21.5).read_text())
     assert "metrics" not in record["result"]["rows"][0]  # no run folder: no metrics, no error
-    assert record["result"]["rows"][1]["metrics"] == {"recovery_topk": 0.89}  # the headline keys only
+    assert record["result"]["rows"][1]["metrics"] == {"recovery_topk": 0.89, "debug": 3, "headline": ["recovery_topk"]}
     assert record["result"]["wall_s"] == 3000.0 and record["result"]["rows"][0]["wall_s"] == 250.0
     assert record["machine"]["read_gb_s"] == 21.5
     measured = json.loads((outputs / "run-cpu.json").read_text())  # --measure-machine: the run's own bandwidth wins

@@ -8,8 +8,8 @@ computes the cost model's prediction beside the measured speedups.
 profile (``cpu``: ``make reproduce``, 4K-8K; ``cpu-long``: 8K-32K) into
 ``docs/results/speedup-vs-context-<profile>.json``, with the commit, date,
 machine and wall time the runner recorded for that run; :func:`record_timing`
-keeps the runner's timing of the whole profile and each notebook's headline metrics (what
-docs/ cites of a notebook's results). :func:`draw_curves` draws the
+keeps the runner's timing of the whole profile and each notebook's metrics (what docs/
+cites of a notebook's results). :func:`draw_curves` draws the
 README's one figure from every curve record, each context from the newest
 record that holds it, so ``python -m sparsedraft results --from-runs outputs``
 refreshes the table, the run times and the figure, and nothing in them is
@@ -25,7 +25,7 @@ from typing import Any
 
 from ..bench.record import RESULTS_DIR
 from ..errors import require
-from ..report import HEADLINE_KEY, METRICS_FILE
+from ..report import METRICS_FILE
 from .execute import PARAMETERS_FILE, read_record
 from .index import latest_results
 
@@ -137,22 +137,21 @@ def record_timing(outputs: str | Path = "outputs", profile: str = "cpu", folder:
               "machine": {**run["machine"], "read_gb_s": run["machine"].get("read_gb_s") or read_gb_s},
               "result": {"bench": "reproduce", "profile": profile, "wall_s": run["wall_s"],
                          "peak_rss_mb": run["peak_rss_mb"], "threads": run.get("threads"),
-                         "rows": [{**row, **_headline(Path(outputs), row)} for row in run["notebooks"]]}}
+                         "rows": [{**row, **_metrics(Path(outputs), row)} for row in run["notebooks"]]}}
     path = Path(folder) / TIMING_RECORD.format(profile=profile)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 
 
-def _headline(outputs: Path, row: dict[str, Any]) -> dict[str, Any]:
-    """``{"metrics": {...}}``: the headline metrics of the notebook run ``row`` names (its ``metrics.json``, the
-    keys the notebook marked as headline), so docs can cite a notebook's figures from this record; ``{}`` when
+def _metrics(outputs: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """``{"metrics": {...}}``: every metric of the notebook run ``row`` names (its ``metrics.json``, a few KB,
+    with its ``headline`` list), so docs can cite any figure a notebook measured from this record; ``{}`` when
     the run folder is gone. The runner names folders as ``outputs/<notebook>/<run>``; ``outputs`` may have moved."""
     parts = Path(str(row.get("run", ""))).parts
     folder = outputs.joinpath(*parts[1:]) if len(parts) > 1 else None
     if folder is None or not (folder / METRICS_FILE).is_file():
         return {}
-    metrics = json.loads((folder / METRICS_FILE).read_text())
-    return {"metrics": {k: metrics[k] for k in metrics.get(HEADLINE_KEY, []) if k in metrics}}
+    return {"metrics": json.loads((folder / METRICS_FILE).read_text())}
 
 
 def draw_curves(folder: str | Path = RESULTS_DIR) -> Path | None:
