@@ -258,3 +258,25 @@ def test_kernel_timing_writes_a_record_with_its_own_bandwidth(tmp_path, capsys):
     assert {r["method"] for r in rows} == {"sdpa", "kernel", "kernel, rows as lanes"} and len(rows) == 6
     assert record["machine"]["read_gb_s"] > 0 and record["command"].endswith(f"--record {tmp_path / 'k.json'}")
     assert render_table([(name, record)]).count("\n") == 1  # a kernel record adds no results-table row
+
+
+def test_a_timed_command_is_recorded_with_its_exit_status_and_peak_memory(tmp_path):
+    """``timed`` runs the command, and its record (rc, wall time, the largest process's RSS) renders as a run-times
+    line; a command that fails keeps its status; a folder outside git is refused before anything runs."""
+    import sys
+    from pathlib import Path
+    from sparsedraft.__main__ import main
+    root = Path(__file__).resolve().parents[1]
+    record = tmp_path / "command-x.json"
+    grab = f"{sys.executable} -c 'x = bytearray(200 * 2**20); x[::4096] = b\"1\" * len(x[::4096])'; exit 3"
+    assert main(["timed", "--record", str(record), "--label", "test", "--cwd", str(root), "--", "sh", "-c",
+                 grab]) == 3
+    saved = json.loads(record.read_text())
+    run = saved["result"]["rows"][0]
+    assert run["rc"] == 3 and run["argv"][:2] == ["sh", "-c"]
+    assert run["peak_rss_mb"] >= 200 and saved["commit"] and saved["machine"]["read_gb_s"] > 0
+    line = render_times(load_records(tmp_path)).splitlines()[2]
+    assert line.startswith("| `sh -c ") and "(test) |" in line and f"| exit status 3 | {run['peak_rss_mb'] / 1024:.1f} GB |" in line
+    assert main(["timed", "--record", str(record), "--cwd", str(root)]) == 2  # nothing to run: one error
+    assert main(["timed", "--record", str(tmp_path / "y.json"), "--cwd", str(tmp_path), "--", "true"]) == 2
+    assert not (tmp_path / "y.json").exists()

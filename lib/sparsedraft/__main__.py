@@ -28,6 +28,8 @@ from .bench import BENCHES
 from .bench.gpu import HELP as GPU_CHECK_HELP
 from .bench.gpu import add_gpu_check_parser, run_gpu_check_command
 from .bench.record import RESULTS_DIR, refresh_readme, resolved_options, write_record
+from .bench.timed_command import HELP as TIMED_HELP
+from .bench.timed_command import add_timed_parser, run_timed
 from .bench.tuned import SOURCE, TUNED, tuned_context, tuned_options
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
@@ -118,6 +120,7 @@ COMMANDS: dict[str, Command] = {
     "gpu-check": (GPU_CHECK_HELP, add_gpu_check_parser, run_gpu_check_command),
     "results": ("rebuild README.md's results table from the records in docs/results/", add_results_parser,
                 run_results),
+    "timed": (TIMED_HELP, add_timed_parser, run_timed),
 }
 
 

@@ -185,15 +185,18 @@ def render_table(records: list[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-TIMES_HEADER = ["profile", "wall", "per notebook", "peak RSS", "date, commit", "machine: ISA, read, fp32 peak",
+TIMES_HEADER = ["profile or command", "wall", "per notebook (or exit status)", "peak RSS", "date, commit", "machine: ISA, read, fp32 peak",
                 "record"]
 
 
 def render_times(records: list[tuple[str, dict[str, Any]]]) -> str:
-    """A markdown table, one line per reproduce record: the whole profile's wall time, each notebook's, peak RSS."""
+    """A markdown table, one line per reproduce record (the whole profile's wall time, each notebook's, peak RSS)
+    and per timed command (``make test``, ``make reproduce`` on a fresh clone: wall time, exit status, peak RSS)."""
     lines = ["| " + " | ".join(TIMES_HEADER) + " |", "|" + "---|" * len(TIMES_HEADER)]
     for name, record in records:
         result, m = record["result"], record["machine"]
+        if result.get("bench") == "command":
+            lines.append(_command_row(name, record))
         if result.get("bench") != "reproduce":
             continue
         each = ", ".join(f"{row['notebook'][:2]} {row['wall_s']:.0f} s" + ("" if row["status"] == "ok" else
@@ -205,6 +208,16 @@ def render_times(records: list[tuple[str, dict[str, Any]]]) -> str:
                      f"{'+' if record['dirty'] else ''} | {m['isa']}, {m['read_gb_s']:.1f} GB/s{peak} | "
                      f"[{name}](docs/results/{name}) |")
     return "\n".join(lines)
+
+
+def _command_row(name: str, record: dict[str, Any]) -> str:
+    """A run-times line for a whole command timed by :mod:`.timed_command` (``make test`` on a fresh clone)."""
+    result, m = record["result"], record["machine"]
+    run = result["rows"][0]
+    label = f" ({result['label']})" if result.get("label") else ""
+    return (f"| `{record['command']}`{label} | {run['wall_s'] / 60:.0f} min | exit status {run['rc']} | "
+            f"{run['peak_rss_mb'] / 1024:.1f} GB | {record['date'][:10]}, {record['commit'][:7]}"
+            f"{'+' if record['dirty'] else ''} | {m['isa']}, {m['read_gb_s']:.1f} GB/s | [{name}](docs/results/{name}) |")
 
 
 def _replace_between(text: str, begin: str, end: str, body: str, where: Path) -> str:
