@@ -27,6 +27,19 @@ def test_attention_rows_round_a_group_up_to_whole_lane_blocks():
     assert attention_rows(CFG, 1, lanes=16) == 16 and attention_rows(CFG, 9, lanes=16) == -(-9 * g // 16) * 16
 
 
+def test_steps_within_key_rows_pay_only_their_own_rows():
+    """The kernel's keys-as-lanes path: a decode's g rows cost g rows, not a 16-lane block; past key_rows the
+    row blocks come back."""
+    g = CFG.group_size
+    assert attention_rows(CFG, 1, lanes=16, key_rows=2 * g) == g
+    assert attention_rows(CFG, 2, lanes=16, key_rows=2 * g) == 2 * g
+    assert attention_rows(CFG, 3, lanes=16, key_rows=2 * g) == -(-3 * g // 16) * 16
+    fast_memory = dict(dtype_bytes=2, bandwidth=1e30, peak_flops=1e9)
+    padded = step_ms(CFG, 4096, 1, 1, lanes=64, **fast_memory)
+    exact = step_ms(CFG, 4096, 1, 1, lanes=64, key_rows=g, **fast_memory)
+    assert exact < padded and exact == pytest.approx(step_ms(CFG, 4096, 1, 1, **fast_memory))
+
+
 def test_kv_share_grows_with_the_batch_and_weights_are_read_once():
     frame = batch_roofline(CFG, [512], [1, 2, 8], 3, 2, bandwidth=1e12, peak_flops=1e30)  # bandwidth-bound
     w, kv = weight_bytes(CFG, 2), kv_bytes(CFG, 512, 2)
