@@ -135,6 +135,11 @@ def _curve_run(outputs, commit="fedcba9876543210", machine=True):
         "read_gb_s\n"
         "32000,prompt lookup,1.4,107.0,150.0,0.75,0.9,True,20.5\n"
         "32000,feature drafter,0.9,166.7,150.0,0.3,0.9,True,20.5\n")
+    (run / "level2_race.csv").write_text(
+        "context,draft_weights,speedup,ms_per_token,ar_ms_per_token,level2_step_over_decode,acceptance_level2,"
+        "acceptance_target,tokens_match,read_gb_s\n"
+        "32000,same,1.38,108.7,150.0,0.4,0.75,0.9,True,20.5\n"
+        "32000,int8,1.6,93.8,150.0,0.3,0.74,0.9,True,20.5\n")
     return run
 
 
@@ -148,10 +153,11 @@ def test_the_curve_record_takes_each_context_best_rows_and_the_race_from_noteboo
     rows = record["result"]["rows"]
     assert [(r["context"], r["method"], r["options"].get("draft")) for r in rows] == [
         (8000, "triforce", "ngram"), (8000, "retrieval", None), (32000, "triforce", "ngram"),
-        (32000, "retrieval", None), (32000, "triforce", "feature")]
+        (32000, "retrieval", None), (32000, "triforce", "feature"), (32000, "triforce", "ngram")]
+    assert rows[-1]["options"]["draft_weights"] == "int8" and rows[-1]["level2_step_over_decode"] == 0.3
     assert rows[0]["ms_per_token"] == 40.0 and rows[0]["options"]["gamma1"] == 2  # the best, not the first, setting
     lines = render_table(load_records(tmp_path / "results")).splitlines()
-    assert len(lines) == 2 + 5
+    assert len(lines) == 2 + 6
     assert "| 8,000 | 128 greedy | 60.0 | 40.0 | **1.50x** (model 1.60x) | 0.70 / 0.95 | yes | 2026-12-04, fedcba9 |" \
         in lines[2]
 
@@ -212,8 +218,8 @@ def test_the_figure_takes_each_context_from_the_newest_curve_record(tmp_path, mo
     (tmp_path / "results" / "speedup-vs-context-cpu.json").rename(older)
     record = json.loads(older.read_text())
     record["date"], record["commit"] = "2026-12-01T00:00:00Z", "1111111111"
-    for row in record["result"]["rows"]:
-        row["speedup"] = 9.0
+    for row in record["result"]["rows"]:  # the quantised level-2 row is not drawn: the figure is full precision
+        row["speedup"] = 99.0 if row["options"].get("draft_weights", "same") != "same" else 9.0
     older.write_text(json.dumps(record))
     (run / "speedup_vs_context.csv").write_text(  # the newer run holds 8K only
         "context,ar_ms_per_token,triforce_budget,triforce_gamma1,triforce_gamma2,triforce_speedup,retrieval_budget,"

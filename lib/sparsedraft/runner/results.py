@@ -35,6 +35,7 @@ CURVE_FIGURE = "speedup-vs-context.png"
 NOTEBOOK = "05"
 # What the run holds: the best setting per context and every run of the grid (both required), the level-1 race.
 BEST, RUNS, RACE = "speedup_vs_context.csv", "speedup_vs_context_runs.csv", "level1_race.csv"
+RACE2 = "level2_race.csv"  # TriForce with quantised level-2 weights beside full precision (optional)
 
 
 def _table(path: Path) -> list[dict[str, Any]]:
@@ -64,10 +65,12 @@ def _row(method: str, options: dict[str, Any], context: int, run: dict[str, Any]
 
 def curve_rows(folder: Path) -> list[dict[str, Any]]:
     """Per context of notebook 05's run in ``folder``: TriForce's and retrieval's best greedy settings (TriForce
-    with the cost model's prediction beside it), then TriForce with the feature drafter at level 1."""
+    with the cost model's prediction beside it), then TriForce with the feature drafter at level 1 and with
+    quantised level-2 weights (each against plain decoding in its own race)."""
     best = _table(folder / BEST)
     runs = [r for r in _table(folder / RUNS) if r["decoding"] == "greedy"]
     race = _table(folder / RACE) if (folder / RACE).is_file() else []
+    race2 = _table(folder / RACE2) if (folder / RACE2).is_file() else []
     rows = []
     for b in best:
         context, tokens = int(b["context"]), int(b.get("new_tokens") or 0)
@@ -89,6 +92,12 @@ def curve_rows(folder: Path) -> list[dict[str, Any]]:
                 options = {"draft": "feature", "budget": b["triforce_budget"], "gamma1": b["triforce_gamma1"],
                            "gamma2": b["triforce_gamma2"]}
                 rows.append({**_row("triforce", options, context, r, tokens), "read_gb_s": r.get("read_gb_s")})
+        for r in race2:  # the full-precision row of that race re-measures the best setting above: not repeated
+            if r["context"] == context and r["draft_weights"] != "same":
+                options = {"draft": "ngram", "budget": b["triforce_budget"], "gamma1": b["triforce_gamma1"],
+                           "gamma2": b["triforce_gamma2"], "draft_weights": r["draft_weights"]}
+                rows.append({**_row("triforce", options, context, r, tokens), "read_gb_s": r.get("read_gb_s"),
+                             "level2_step_over_decode": r.get("level2_step_over_decode")})
     return rows
 
 
@@ -169,7 +178,8 @@ def draw_curves(folder: str | Path = RESULTS_DIR) -> Path | None:
         return None
     points, sources, seen, models = [], [], set(), set()
     for date, name, record in curves:
-        rows = [r for r in record["result"]["rows"] if r["context"] not in seen and r["options"].get("draft") != "feature"]
+        rows = [r for r in record["result"]["rows"] if r["context"] not in seen and r["options"].get("draft") != "feature"
+                and r["options"].get("draft_weights", "same") == "same"]  # the figure: full precision, prompt lookup
         contexts = sorted({r["context"] for r in rows})
         if not contexts:
             continue
