@@ -1,6 +1,7 @@
 """Results records: the README's table is rendered from them, and a record without its provenance is refused."""
 
 import json
+import re
 
 import pytest
 
@@ -286,3 +287,25 @@ def test_a_timed_command_is_recorded_with_its_exit_status_and_peak_memory(tmp_pa
     assert main(["timed", "--record", str(record), "--cwd", str(root)]) == 2  # nothing to run: one error
     assert main(["timed", "--record", str(tmp_path / "y.json"), "--cwd", str(tmp_path), "--", "true"]) == 2
     assert not (tmp_path / "y.json").exists()
+
+
+def test_every_record_the_docs_cite_is_committed_and_every_page_says_where_its_figures_come_from():
+    """README and docs/ cite their figures' records by file name; a cited record that is not in docs/results/
+    (renamed, never committed) would leave a figure with nothing behind it. Pages that state measurements open
+    with a note naming where they come from."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    results = root / "docs" / "results"
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    cited = {(page.name, name) for page in pages
+             for name in re.findall(r"([\w.-]+\.json)", page.read_text()) if not name.startswith(("feature_drafter",
+                                                                                              "metrics", "parameters",
+                                                                                              "run", "state"))}
+    assert cited, "no page cites a record"
+    missing = sorted((page, name) for page, name in cited if not (results / name).is_file()
+                     and "<" not in name and "NAME" not in name and "*" not in name and "R.json" != name)
+    assert not missing, f"records cited but not committed: {missing}"
+    measured = ("batching.md", "budgetdraft.md", "engine.md", "long-context.md", "notebooks.md")
+    for name in measured:
+        head = (root / "docs" / name).read_text()[:600]
+        assert "Where the" in head and "come from" in head, f"docs/{name} does not open with where its figures come from"
