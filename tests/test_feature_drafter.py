@@ -5,7 +5,7 @@ head drafts, over each of its three caches, as TriForce's first level, and
 through ``decode()`` from a saved folder; sampled output must keep the
 target's law (chi-square, with an always-accept mutant that the same test
 catches). A drafter folder is refused against another target before any
-forward.
+forward. A batch of prompts gives each row its own plain output.
 """
 
 from __future__ import annotations
@@ -169,8 +169,47 @@ def test_the_same_check_catches_an_always_accept_rule():
     assert min(first, pair_p) < 0.01, (first, pair_p)
 
 
-def test_a_batch_with_a_feature_drafter_is_refused_with_the_fix(pair):
+BATCH_METHODS = {  # each cache the head can draft over, and TriForce's level 1
+    "spec-full": ("spec", {"gamma": 3}),
+    "spec-streaming": ("spec", {"gamma": 3, "draft_cache": "streaming", "sink": 4, "window": 8}),
+    "budgetdraft": ("budgetdraft", {"gamma": 3, "budget": 16, "chunk_size": 4}),
+    "triforce": ("triforce", {"gamma1": 2, "gamma2": 4, "budget": 16, "chunk_size": 4, "sink": 4, "window": 8}),
+}
+
+
+@pytest.mark.parametrize("method", sorted(BATCH_METHODS))
+def test_a_batch_with_a_feature_drafter_gives_each_row_its_plain_greedy_output(pair, method):
+    """Rows of different lengths in lockstep: the verifications (which hand each row's head its features) are
+    batched, the head's steps run per row, and every row's output is its own plain greedy output."""
+    target, head, prompt, _ = pair
+    rows = [prompt[0, :40].tolist(), prompt[0].tolist(), prompt[0, 5:].tolist()]
+    name, options = BATCH_METHODS[method]
+    result = decode(target, rows, name, NEW, draft=head, **options)
+    for b, row in enumerate(rows):
+        alone = generate(target, torch.tensor([row]), NEW).tokens
+        assert torch.equal(result.tokens[b], alone[0]), (method, b)
+    assert result.lockstep.mean_rows > 1  # the verifications were shared
+    assert sum(lvl.accepted for lvl in result.levels) > 0  # the heads drafted from the batched features
+
+
+def test_a_sampled_row_with_a_feature_drafter_equals_its_batch1_run(pair):
     target, head, prompt, _ = pair
     rows = [prompt[0, :40].tolist(), prompt[0].tolist()]
-    with pytest.raises(SparsedraftError, match="one sequence at a time"):
-        decode(target, rows, "spec", 8, draft=head)
+    result = decode(target, rows, "spec", NEW, draft=head, gamma=3, temperature=0.8, seed=3)
+    for b, row in enumerate(rows):
+        alone = decode(target, torch.tensor([row]), "spec", NEW, draft=head, gamma=3, temperature=0.8, seed=3 + b)
+        assert torch.equal(result.tokens[b], alone.tokens[0]), b
+
+
+def test_the_memory_estimate_counts_each_rows_head_cache(pair):
+    from sparsedraft.speculative.batching import batch_bytes
+    from sparsedraft.speculative.methods import method_options
+    target, head, _, _ = pair
+    for cache in ("full", "streaming"):
+        opts = method_options("spec", draft=head, gamma=3, draft_cache=cache, sink=4, window=8)
+        built = FeatureDrafter.create(head, cache, 100 + 8, gamma=3, sink=4, window=8).cache
+        held = sum(t.numel() * t.element_size() for t in (*built.k, *built.v))
+        parts = batch_bytes(target, head, [100, 100], 8, "spec", opts, prefilled=False)
+        assert parts["draft caches"] == 2 * held, cache
+        extra = sum(p.numel() * p.element_size() for p in head.parameters())
+        assert parts["weights"] == extra + sum(p.numel() * p.element_size() for p in target.parameters())

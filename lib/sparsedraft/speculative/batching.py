@@ -7,7 +7,8 @@ holding prompts of different lengths must say which ids are padding with an
 would be read as text, so a tensor whose rows end in the tokenizer's pad id is
 refused. Every method runs with a batch -- plain decoding, a draft model,
 retrieval self-speculation, StreamingLLM self-speculation (``retrieval`` with
-``group_reduce="recent"``), TriForce and BudgetDraft -- and row ``b`` gives
+``group_reduce="recent"``), TriForce and BudgetDraft, with a feature drafter
+too -- and row ``b`` gives
 exactly its batch-1 run (greedy: token for token; sampled: with seed
 ``seed + b``).
 
@@ -31,6 +32,7 @@ from ..engine.config import ModelConfig
 from ..engine.model import Transformer
 from ..engine.sampling import SamplingConfig
 from ..errors import require
+from .feature import FeatureHead
 from .lockstep import LockstepStats, run_rows
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
@@ -125,7 +127,7 @@ def batch_bytes(model: Transformer, draft: Any, lengths: Sequence[int], n: int, 
     if method in ("retrieval", "triforce"):  # the retrieval view: budget + level-2 speculative slots
         level2 = opts.gamma2 if method == "triforce" else opts.gamma
         parts["draft caches"] += len(lengths) * kv_bytes(cfg, opts.budget + level2, dtype)
-    if isinstance(draft, Transformer):
+    if isinstance(draft, (Transformer, FeatureHead)):  # a feature head: one layer of its own, the rest the target's
         if draft is not model and not any(p is q for p in draft.parameters() for q in model.parameters()):
             parts["weights"] += sum(p.numel() * p.element_size() for p in draft.parameters())
         if method == "triforce" or getattr(opts, "draft_cache", "full") == "streaming":  # as methods.py builds it
@@ -160,14 +162,18 @@ class BatchRun:
 
 
 def run_batch(model: Transformer, rows: list[torch.Tensor], method: str, n: int, sampling: SamplingConfig,
-              opts: Any, eos: int | None, prefilled: Sequence[Any] | None, draft: Transformer | None) -> BatchRun:
+              opts: Any, eos: int | None, prefilled: Sequence[Any] | None,
+              draft: Transformer | FeatureHead | None) -> BatchRun:
     """Each row through ``METHODS[method]`` at batch 1, all rows in lockstep; ``draft`` is ``opts.draft``
     loaded (``methods.load_draft``), shared by the rows. Every check is the caller's (``decode``)."""
     from .methods import METHODS
 
     def job(row: int, wrap):
         restricted = {"draft_vocab": 0} if hasattr(opts, "draft_vocab") else {}  # load_draft applied it already
-        row_opts = dataclasses.replace(opts, draft=wrap(draft), **restricted) if draft is not None else opts
+        # A feature head's one-layer steps run on the row's own thread (each row drafts from its own cache); the
+        # target's verifications, which hand it the features, are batched like any other forward.
+        row_draft = draft if isinstance(draft, FeatureHead) else wrap(draft)
+        row_opts = dataclasses.replace(opts, draft=row_draft, **restricted) if draft is not None else opts
         row_sampling = sampling if sampling.greedy else dataclasses.replace(sampling, seed=sampling.seed + row)
         shared = prefilled[row] if prefilled is not None else None
         return METHODS[method].run(wrap(model), rows[row][None].to(model.device), n, row_sampling, row_opts, eos,

@@ -203,11 +203,9 @@ def _decode_batch(model: Transformer, rows: list[torch.Tensor], method: str, max
         if prefilled is not None:
             prefilled[b].check(model, row[None])
     draft = load_draft(opts.draft, model, getattr(opts, "draft_vocab", 0)) if hasattr(opts, "draft") else None  # once
-    require(not isinstance(draft, FeatureHead),
-            "a feature drafter decodes one sequence at a time for now (its head's steps are not batched across rows "
-            "yet); pass the prompts to decode one by one, or use another draft for the batch")
-    require(draft is None or isinstance(draft, Transformer),
-            "a Drafter object follows one sequence; for a batch pass the draft as a model or a source string")
+    require(draft is None or isinstance(draft, (Transformer, FeatureHead)),
+            "a Drafter object follows one sequence; for a batch pass the draft as a model, a feature head or a "
+            "source string")
     held = prefilled is not None and any(isinstance(p.cache, StaticCache) for p in prefilled)  # not on disk
     check_memory(batch_bytes(model, draft, [row.numel() for row in rows], max_new_tokens, method, opts, held),
                  max_memory, model.device)

@@ -156,7 +156,8 @@ class Lockstep:
             positions[b] = pos.reshape(-1)[0]  # padding takes the first real position (any valid one would do)
             positions[b, t - n:] = pos.reshape(-1)
         layers = set().union(*(call.capture.layers for call in group if call.capture is not None))
-        capture = Capture(layers=layers) if layers else None
+        hidden = any(call.capture is not None and call.capture.hidden for call in group)  # a feature drafter's rows
+        capture = Capture(layers=layers, hidden=hidden) if layers or hidden else None
         last_only = all(call.last_only for call in group)
         logits = model(tokens, positions, RowCaches([call.cache for call in group], counts), last_only=last_only,
                        capture=capture)
@@ -167,6 +168,8 @@ class Lockstep:
             if call.capture is not None:
                 call.capture.queries.update({layer: capture.queries[layer][b:b + 1, :, t - n:]
                                              for layer in call.capture.layers})
+                if call.capture.hidden:
+                    call.capture.features = capture.features[b:b + 1, t - n:]
         self.stats.forwards += 1
         self.stats.batched_rows += len(group)
         self.stats.padded_tokens += sum(t - n for n in counts)
