@@ -9,7 +9,7 @@ import torch
 
 from sparsedraft.__main__ import main
 from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
-from sparsedraft.budgetdraft.feature_eval import accepted_per_round
+from sparsedraft.budgetdraft.feature_eval import accepted_per_round, agreement_summary
 from sparsedraft.budgetdraft.feature_loss import unroll
 from sparsedraft.budgetdraft import feature_train
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
@@ -202,3 +202,22 @@ def test_greedy_continuations_are_each_prompts_own_greedy_decode(tmp_path, monke
     for i in range(3):
         assert torch.equal(data.tokens[i, 40:], generate(target, rows[i:i + 1], 6).tokens[0, -6:])
     assert len(list(tmp_path.glob("continuations-*.safetensors"))) == 1
+
+
+def test_agreement_summary_reads_the_committed_drafters_record():
+    """Notebook 06's agreement table reads the training run's record through agreement_summary: every figure is
+    the record's own, and the best gamma is the one that keeps the most tokens per round."""
+    from pathlib import Path
+    record = json.loads((Path(__file__).parents[1] / "data/drafters/feature/feature_drafter.json").read_text())
+    got = agreement_summary(record)
+    assert got["first_draft_held_out"] == record["held_out_agreement"]["first_draft"]
+    assert got["first_draft_continuations"] == record["measured"]["first_draft"]
+    gammas = record["measured"]["gamma"]
+    best = gammas[str(got["best_gamma"])]
+    assert all(best["tokens_per_round"] >= g["tokens_per_round"] for g in gammas.values())
+    assert got["kept_per_round"] == best["accepted_per_round"]
+    assert got["train_tokens"] == record["data"]["train_tokens"] and got["steps"] == record["steps"]
+    with_slice = {**record, "measured": {**record["measured"], "slice_first_draft": {"run": "x", "first_draft": 0.1}}}
+    assert agreement_summary(with_slice)["slice_first_draft_continuations"] == 0.1
+    empty = agreement_summary({})
+    assert empty["best_gamma"] is None and empty["first_draft_continuations"] is None

@@ -205,3 +205,20 @@ def final_report(cfg: "FeatureTrainConfig", slice_run: str | Path = "outputs/bud
             report["slice_first_draft"] = f"no slice drafter in {slice_run}: not measured"
         return report
     return evaluate
+
+
+def agreement_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """The agreement figures a training run wrote into its drafter's record, flat: (a) ``first_draft_held_out``,
+    (b) ``first_draft_continuations``, (c) at the gamma that keeps the most tokens per round ``best_gamma`` and
+    ``kept_per_round``, and the slice drafter's (b) where the run measured one (else None); with the run's
+    steps, training tokens, warm start, date and commit, so a table of drafters names where each figure came from."""
+    measured, held = record.get("measured", {}), record.get("held_out_agreement", {})
+    gammas = measured.get("gamma", {})
+    best = max(gammas, key=lambda g: gammas[g]["tokens_per_round"]) if gammas else None
+    slice_seen = measured.get("slice_first_draft")
+    return {"steps": record.get("steps"), "train_tokens": record.get("data", {}).get("train_tokens"),
+            "started_from": record.get("started_from") or "", "first_draft_held_out": held.get("first_draft"),
+            "first_draft_continuations": measured.get("first_draft"), "best_gamma": int(best) if best else None,
+            "kept_per_round": gammas[best]["accepted_per_round"] if best else None,
+            "slice_first_draft_continuations": slice_seen.get("first_draft") if isinstance(slice_seen, dict) else None,
+            "date": record.get("date"), "commit": str(record.get("commit") or "")[:7]}
