@@ -9,7 +9,7 @@ import torch
 
 from sparsedraft.__main__ import main
 from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
-from sparsedraft.budgetdraft.feature_eval import accepted_per_round, agreement_summary
+from sparsedraft.budgetdraft.feature_eval import accepted_per_round, agreement_summary, by_confidence
 from sparsedraft.budgetdraft.feature_loss import unroll
 from sparsedraft.budgetdraft import feature_train
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
@@ -202,6 +202,32 @@ def test_greedy_continuations_are_each_prompts_own_greedy_decode(tmp_path, monke
     for i in range(3):
         assert torch.equal(data.tokens[i, 40:], generate(target, rows[i:i + 1], 6).tokens[0, -6:])
     assert len(list(tmp_path.glob("continuations-*.safetensors"))) == 1
+
+
+def test_agreement_by_target_confidence_splits_the_first_draft_figure(tmp_path, monkeypatch):
+    """Each scored position lands in the bucket of the target's own top-1 probability there (from its true
+    feature, as its forward computes it); the buckets' shares sum to 1 and their agreements average back to
+    first_draft."""
+    from sparsedraft.budgetdraft import feature_eval
+    target = tiny_model("llama")
+    rows = torch.randint(0, target.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(feature_eval, "prompt_tokens", lambda tokenizer, context, split, variant: rows[variant])
+    data = feature_eval.greedy_continuations(target, "tiny", None, tmp_path, prompts=2, context=40, new_tokens=12)
+    report = feature_eval.continuation_report(random_head(target), data, gammas=(2,))
+    buckets = report["by_target_confidence"]
+    assert [b["from"] for b in buckets] == list(feature_eval.CONFIDENCE_EDGES[:-1])
+    assert sum(b["share"] for b in buckets) == pytest.approx(1.0)
+    assert sum(b["share"] * (b["first_draft"] or 0.0) for b in buckets) == pytest.approx(report["first_draft"])
+    with torch.no_grad():  # positions 40..50 predict tokens 41..51, the ones the first drafts are scored on
+        probs = torch.cat([target(data.tokens[i:i + 1]).float().softmax(-1)[0, 40:51].amax(-1) for i in range(2)])
+    assert report["target_top1_mean"] == pytest.approx(float(probs.mean()), abs=1e-5)
+
+
+def test_confidence_buckets_close_the_last_edge_and_leave_empty_ones_empty():
+    hits = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    got = by_confidence(hits, torch.tensor([0.1, 0.2, 0.95, 1.0]))
+    assert [b["share"] for b in got] == [0.5, 0.0, 0.0, 0.0, 0.5]
+    assert got[0]["first_draft"] == 0.5 and got[1]["first_draft"] is None and got[-1]["first_draft"] == 1.0
 
 
 def test_agreement_summary_reads_the_committed_drafters_record():

@@ -6,9 +6,11 @@
     1..J (the head fed its own predicted features, as in decoding).
 (b) :func:`continuation_report` ``first_draft``: the same first-draft
     agreement on the target's own greedy continuations of held-out prompts
-    at long context (:func:`greedy_continuations`: one batched prefill, then
-    greedy decoding that keeps every feature). Those are exactly the
+    at long context (:func:`greedy_continuations`: each prompt prefilled, then
+    decoded greedily, every feature kept). Those are exactly the
     positions a greedy speculative decoder's first draft faces.
+    It also splits that agreement by the target's own top-1 probability
+    at each position (:func:`by_confidence`).
 (c) :func:`continuation_report` ``gamma``: greedy speculation simulated on
     those continuations with a full cache: each round drafts gamma tokens on
     the head's own predicted features, accepts the longest prefix equal to
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     from .feature_config import FeatureTrainConfig
 
 GAMMAS = (2, 3, 4, 5, 6)
+# Buckets of the target's own top-1 probability at a scored position (continuation_report's by_target_confidence)
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 
 @torch.no_grad()
@@ -148,6 +152,7 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
     if ids is not None:
         heads["_vocab"] = TokenHead(head, ids.to(device))
     first = {k: [] for k in heads}
+    confidence = []  # the target's top-1 probability of each position first[""] scores
     rounds: dict[str, dict[int, list[int]]] = {k: {g: [] for g in gammas} for k in heads}
     length = data.prompt_len
     for row in range(data.tokens.shape[0]):
@@ -155,6 +160,8 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         t = tokens.shape[1]
         starts = torch.arange(length - 1, t - top - 1, device=device)  # rounds whose gamma drafts all have a token
         outs, _ = unroll(head, data.features[row:row + 1].to(device).float(), tokens, starts, top - 1)
+        true = data.features[row:row + 1, length:t - 1].to(device).float()  # the target's features before them
+        confidence.append(heads[""].logits(true).float().softmax(-1).amax(-1).flatten())
         for name, tok in heads.items():
             drafts = tok.predict(outs[0][:, length - 1:t - 2])  # entry e predicts token e + 2
             first[name].append((drafts == tokens[:, length + 1:]).float().flatten())
@@ -164,11 +171,31 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
                 rounds[name][g] += accepted_per_round(chain, g)
     report: dict[str, Any] = {"positions": int(sum(x.numel() for x in first[""])), "prompt_len": length,
                               "prompts": int(data.tokens.shape[0])}
+    report["target_top1_mean"] = float(torch.cat(confidence).mean())
+    report["by_target_confidence"] = by_confidence(torch.cat(first[""]), torch.cat(confidence))
     for name in heads:
         report[f"first_draft{name}"] = float(torch.cat(first[name]).mean())
         report[f"gamma{name}"] = {g: {"accepted_per_round": sum(r) / len(r), "tokens_per_round": 1 + sum(r) / len(r),
                                       "rounds": len(r)} for g, r in rounds[name].items()}
     return report
+
+
+def by_confidence(hits: torch.Tensor, confidence: torch.Tensor,
+                  edges: Sequence[float] = CONFIDENCE_EDGES) -> list[dict[str, float]]:
+    """First-draft agreement split by how sure the target itself was of its greedy token (its top-1
+    probability at the position, in buckets ``[edges[i], edges[i+1])``, the last one closed): per bucket the share
+    of positions and the agreement there (None where a bucket is empty). A one-layer head can hardly pick the
+    target's argmax where the target barely prefers it, so this says how much of the gap is the target's own
+    uncertainty rather than the head."""
+    require(hits.shape == confidence.shape and hits.numel() > 0, "hits and confidence: one value per position")
+    out = []
+    for i, (low, high) in enumerate(zip(edges[:-1], edges[1:])):
+        upper = confidence <= high if i == len(edges) - 2 else confidence < high
+        inside = (confidence >= low) & upper
+        n = int(inside.sum())
+        out.append({"from": float(low), "to": float(high), "share": n / confidence.numel(),
+                    "first_draft": float(hits[inside].float().mean()) if n else None})
+    return out
 
 
 @torch.no_grad()
