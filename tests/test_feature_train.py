@@ -148,13 +148,18 @@ def test_a_warm_start_begins_at_the_folders_weights_and_keeps_its_lineage(tmp_pa
         return real_step(cfg, head, *args)
 
     monkeypatch.setattr(feature_train, "train_step", first_weights)
+    def fc_sum(head):  # an end-of-run check: the record keeps it for the start head and for the trained one
+        return {"fc": float(head.fc.weight.sum())}
+
     warm = train_feature_drafter(config(tmp_path, "b", steps=2, head_init=str(folder)), target, progress=False,
-                                 provenance=False)
+                                 provenance=False, evaluate=fc_sum)
     assert all(torch.equal(starts[0][k], saved[k]) for k in saved)  # the first step sees the folder's head
     assert not all(torch.equal(warm.head.state_dict()[k], saved[k]) for k in saved)  # and it trains on
     assert warm.history[0]["step"] == 0 and "eval" in warm.history[0]  # the curve starts at its agreement
     assert warm.record["started_from"]["steps"] == 2
     assert warm.record["started_from"]["held_out_agreement"] == first.record["held_out_agreement"]
+    assert warm.record["started_from"]["measured"] == {"fc": float(saved["fc.weight"].sum())}
+    assert warm.record["measured"] == fc_sum(warm.head) != warm.record["started_from"]["measured"]
 
     def no_data(*args, **kwargs):
         raise AssertionError("teacher data was made before the folder was checked")

@@ -251,6 +251,8 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     else:
         if cfg.head_init:
             head.load_state_dict(load_feature_head(cfg.head_init, target).state_dict())
+            if evaluate is not None:  # the same end-of-run check on the head it starts from: before and after
+                lineage["measured"] = evaluate(head.eval())
         else:
             init_head(head, target, data.scale, cfg.embed_gain)
         if cfg.eval_every:
