@@ -149,7 +149,7 @@ def test_a_warm_start_begins_at_the_folders_weights_and_keeps_its_lineage(tmp_pa
 
     monkeypatch.setattr(feature_train, "train_step", first_weights)
     def fc_sum(head):  # an end-of-run check: the record keeps it for the start head and for the trained one
-        return {"fc": float(head.fc.weight.sum())}
+        return {"fc": float(head.fc.weight.detach().sum())}
 
     warm = train_feature_drafter(config(tmp_path, "b", steps=2, head_init=str(folder)), target, progress=False,
                                  provenance=False, evaluate=fc_sum)
