@@ -252,3 +252,27 @@ def test_agreement_summary_reads_the_committed_drafters_record():
     assert agreement_summary(with_slice)["slice_first_draft_continuations"] == 0.1
     empty = agreement_summary({})
     assert empty["best_gamma"] is None and empty["first_draft_continuations"] is None
+
+
+def test_the_agreement_bench_measures_a_folder_as_the_training_run_would(tmp_path, capsys):
+    """bench.agreement on a trained folder: the same continuation report the end-of-run check computes, written
+    as a results record that the README's loader accepts."""
+    from sparsedraft.bench import agreement
+    from sparsedraft.bench.record import load_records
+    from sparsedraft.budgetdraft import feature_eval
+    from sparsedraft.engine.data import model_tokenizer
+    from sparsedraft import load_model
+    target = load_model("tiny-llama")  # the loader names its source, which the drafter's fingerprint keeps
+    run = train_feature_drafter(config(tmp_path, "a", steps=2), target, progress=False, provenance=False)
+    folder, records = run.run_dir / "drafter", tmp_path / "records"
+    agreement.main(["--draft", str(folder), "--context", "40", "--prompts", "2", "--tokens", "10",
+                    "--draft-vocab", "0", "--cache-dir", str(tmp_path / "cont"), "--record", str(records / "a.json")])
+    assert "first draft = the target's greedy token" in capsys.readouterr().out
+    [(name, record)] = load_records(records)
+    data = feature_eval.greedy_continuations(target, "tiny-llama", model_tokenizer("tiny-llama"), tmp_path / "cont",
+                                             2, 40, 10)
+    expected = feature_eval.continuation_report(load_feature_head(folder, target).eval(), data)
+    assert record["result"]["report"]["first_draft"] == expected["first_draft"]
+    assert record["result"]["bench"] == "agreement" and record["machine"]["read_gb_s"] > 0
+    with pytest.raises(SparsedraftError, match="no slice drafter"):
+        agreement.main(["--draft", str(folder), "--slice", str(tmp_path / "none")])

@@ -41,6 +41,9 @@ TIMES_END = "<!-- times:end -->"
 # Top-level fields a record must hold; ``machine`` and ``result`` must hold theirs.
 REQUIRED = ("command", "commit", "dirty", "date", "machine", "result")
 MACHINE_REQUIRED = ("isa", "read_gb_s")
+# Where a record's result holds its measurements: rows (compare, curve, reproduce, command, kernel timing), runs
+# (bench ar: one per dtype), report (bench.agreement); a record needs one of them, non-empty.
+RESULT_BODIES = ("rows", "runs", "report")
 
 
 def write_record(path: str | Path, result: dict[str, Any], read_gb_s: float | None = None,
@@ -76,8 +79,8 @@ def check_record(record: dict[str, Any], where: str) -> dict[str, Any]:
         require(record.get(key) is not None, f"{where}: record has no {key!r}; rewrite it with bench --record")
     for key in MACHINE_REQUIRED:
         require(record["machine"].get(key) is not None, f"{where}: record has no machine.{key!r}")
-    require(isinstance(record["result"].get("rows"), list) and record["result"]["rows"],
-            f"{where}: record's result has no rows")
+    require(any(record["result"].get(body) for body in RESULT_BODIES),
+            f"{where}: record's result holds no measurements (none of {', '.join(RESULT_BODIES)})")
     return record
 
 
@@ -94,9 +97,9 @@ def step_rows(records: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]
     out = []
     for name, record in records:
         result = record["result"]
-        for row in result.get("rows", []):
+        for row in [*result.get("rows", []), *result.get("runs", [])]:  # runs: bench ar's, plain decoding
             for step in row.get("steps") or []:
-                out.append({"record": name, "method": row.get("method"), "date": record["date"][:10],
+                out.append({"record": name, "method": row.get("method", "ar"), "date": record["date"][:10],
                             "read_gb_s": result.get("read_gb_s", record["machine"].get("read_gb_s")),
                             **{k: step.get(k) for k in ("step", "dtype", "context", "tokens", "ms", "roofline_ms",
                                                         "over_roofline", "bound")}})

@@ -1,0 +1,94 @@
+"""A trained feature drafter's agreement with its target, measured on a folder as it stands, without training.
+
+The training run measures it once, at its end (``budgetdraft.feature_eval.final_report``). This command
+measures any drafter folder the same way, on the same cached positions: the target's own greedy
+continuations of held-out prompts (what a greedy speculative decoder's first draft faces). It prints and
+records the first draft's agreement, the drafts kept per round that those continuations imply at each gamma,
+that agreement split by the target's own top-1 probability at each position (how much of the gap is the
+target's uncertainty), and, given ``--slice``, the slice drafter's first draft on the same positions.
+
+Not a test: ``python -m sparsedraft.bench.agreement --draft data/drafters/feature --slice outputs/budgetdraft/default
+--record docs/results/feature-agreement-4k.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from ..budgetdraft.feature_eval import continuation_report, greedy_continuations, slice_first_draft
+from ..engine.data import model_tokenizer
+from ..engine.machine import provenance
+from ..engine.roofline import measure_read_bandwidth
+from ..engine.weights import load_model
+from ..errors import require
+from ..speculative.feature import load_feature_head, read_record
+from ..speculative.loading import has_checkpoint, load_drafter
+from ..speculative.vocab import frequent_tokens
+from .record import write_record
+
+
+def measure(draft: str, context: int = 4096, prompts: int = 6, tokens: int = 160, draft_vocab: int = 8192,
+            slice_run: str = "", cache_dir: str = "data/cache/feature") -> dict:
+    """The agreement report of the drafter in ``draft`` against the target its record names."""
+    verifier = read_record(draft)["recipe"]["verifier"]
+    require(not slice_run or has_checkpoint(Path(slice_run)), f"no slice drafter in {slice_run}: pass a BudgetDraft "
+                                                              "run folder (train-drafter --kind slice) or leave --slice out")
+    target = load_model(verifier)
+    head = load_feature_head(draft, target).eval()
+    tokenizer = model_tokenizer(verifier)
+    data = greedy_continuations(target, verifier, tokenizer, cache_dir, prompts, context, tokens)
+    ids = frequent_tokens(tokenizer, draft_vocab, target.cfg.vocab_size) if draft_vocab else None
+    report = continuation_report(head, data, ids)
+    if slice_run:
+        drafter = load_drafter(slice_run, dtype=target.dtype, device=target.device)
+        report["slice_first_draft"] = {"run": slice_run, "first_draft": slice_first_draft(drafter, data)}
+    return {"bench": "agreement", "draft": draft, "model": verifier, "context": context, "prompts": prompts,
+            "new_tokens": tokens, "draft_vocab": draft_vocab, "threads": torch.get_num_threads(), "report": report}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", required=True, help="a feature drafter folder (train-drafter --kind feature)")
+    parser.add_argument("--context", type=int, default=4096, help="prompt tokens of each held-out prompt")
+    parser.add_argument("--prompts", type=int, default=6, help="held-out prompts")
+    parser.add_argument("--tokens", type=int, default=160, help="greedy tokens after each prompt")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="also the head restricted to N tokens (0: not)")
+    parser.add_argument("--slice", default="", help="a slice drafter's run folder, measured on the same positions")
+    parser.add_argument("--cache-dir", default="data/cache/feature", help="where the continuations are cached")
+    parser.add_argument("--record", default="", metavar="PATH.json", help="also write a results record")
+    args = parser.parse_args(argv)
+    require(not args.record or args.record.endswith(".json"), f"--record takes a .json path, got {args.record!r}")
+    require(Path(args.draft).is_dir(), f"no drafter folder {args.draft}")
+    require(args.context >= 3 and args.prompts >= 1 and args.tokens >= 8,
+            "--context >= 3, --prompts >= 1 and --tokens >= 8 (the longest simulated round drafts 6)")
+    started = provenance()
+    result = measure(args.draft, args.context, args.prompts, args.tokens, args.draft_vocab, args.slice,
+                     args.cache_dir)
+    report = result["report"]
+    print(f"first draft = the target's greedy token: {report['first_draft']:.1%} of {report['positions']} positions "
+          f"({report['prompts']} prompts of {report['prompt_len']} tokens); target's own top-1 probability "
+          f"there {report['target_top1_mean']:.2f} on average")
+    for bucket in report["by_target_confidence"]:
+        seen = "-" if bucket["first_draft"] is None else f"{bucket['first_draft']:.1%}"
+        print(f"  target top-1 in [{bucket['from']:.1f}, {bucket['to']:.1f}]: {bucket['share']:.1%} of positions, "
+              f"first draft {seen}")
+    for gamma, row in report["gamma"].items():
+        print(f"  gamma {gamma}: {row['accepted_per_round']:.2f} drafts kept per round")
+    if "slice_first_draft" in report:
+        print(f"slice drafter {args.slice}: first draft {report['slice_first_draft']['first_draft']:.1%}")
+    if args.record:
+        read = measure_read_bandwidth() / 1e9
+        result["read_gb_s"] = read
+        command = "python -m sparsedraft.bench.agreement " + shlex.join(argv if argv is not None else sys.argv[1:])
+        print(f"record written to {write_record(args.record, result, read, command, started)}", file=sys.stderr)
+    print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()
