@@ -21,15 +21,14 @@ from pathlib import Path
 
 import torch
 
-from ..budgetdraft.feature_eval import continuation_report, greedy_continuations, slice_first_draft
+from ..budgetdraft.feature_eval import GAMMAS, agreement_report
 from ..engine.data import model_tokenizer
 from ..engine.machine import provenance
 from ..engine.roofline import measure_read_bandwidth
 from ..engine.weights import load_model
 from ..errors import require
 from ..speculative.feature import load_feature_head, read_record
-from ..speculative.loading import has_checkpoint, load_drafter
-from ..speculative.vocab import frequent_tokens
+from ..speculative.loading import has_checkpoint
 from .record import write_record
 
 
@@ -41,13 +40,8 @@ def measure(draft: str, context: int = 4096, prompts: int = 6, tokens: int = 160
                                                               "run folder (train-drafter --kind slice) or leave --slice out")
     target = load_model(verifier)
     head = load_feature_head(draft, target).eval()
-    tokenizer = model_tokenizer(verifier)
-    data = greedy_continuations(target, verifier, tokenizer, cache_dir, prompts, context, tokens)
-    ids = frequent_tokens(tokenizer, draft_vocab, target.cfg.vocab_size) if draft_vocab else None
-    report = continuation_report(head, data, ids)
-    if slice_run:
-        drafter = load_drafter(slice_run, dtype=target.dtype, device=target.device)
-        report["slice_first_draft"] = {"run": slice_run, "first_draft": slice_first_draft(drafter, data)}
+    report = agreement_report(head, verifier, model_tokenizer(verifier), cache_dir, prompts, context, tokens,
+                              draft_vocab, slice_run)
     return {"bench": "agreement", "draft": draft, "model": verifier, "context": context, "prompts": prompts,
             "new_tokens": tokens, "draft_vocab": draft_vocab, "threads": torch.get_num_threads(), "report": report}
 
@@ -65,8 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     require(not args.record or args.record.endswith(".json"), f"--record takes a .json path, got {args.record!r}")
     require(Path(args.draft).is_dir(), f"no drafter folder {args.draft}")
-    require(args.context >= 3 and args.prompts >= 1 and args.tokens >= 8,
-            "--context >= 3, --prompts >= 1 and --tokens >= 8 (the longest simulated round drafts 6)")
+    longest = max(GAMMAS)
+    require(args.context >= 3 and args.prompts >= 1 and args.tokens >= longest + 2,
+            f"--context >= 3, --prompts >= 1 and --tokens >= {longest + 2} (the longest simulated round drafts "
+            f"{longest})")
     started = provenance()
     result = measure(args.draft, args.context, args.prompts, args.tokens, args.draft_vocab, args.slice,
                      args.cache_dir)

@@ -210,27 +210,36 @@ def slice_first_draft(drafter: Transformer, data: Continuations) -> float:
     return float(torch.cat(hits).mean())
 
 
+def agreement_report(head: FeatureHead, target_id: str, tokenizer: Tokenizer, cache_dir: str | Path,
+                     prompts: int, context: int, new_tokens: int, draft_vocab: int = 0,
+                     slice_run: str | Path = "", compute: bool = True) -> dict[str, Any]:
+    """(b) and (c) of ``head`` on ``prompts`` greedy continuations of ``new_tokens`` after held-out prompts of
+    ``context`` tokens (cached in ``cache_dir``), full head and, with ``draft_vocab``, the restricted one; with
+    ``slice_run``, (b) for the slice drafter there too (the report says so when that folder holds none). What a
+    training run's end-of-run check and ``bench.agreement`` both measure, so the two figures compare."""
+    from ..speculative.loading import has_checkpoint, load_drafter
+    from ..speculative.vocab import frequent_tokens
+    target = head.target
+    data = greedy_continuations(target, target_id, tokenizer, cache_dir, prompts, context, new_tokens, compute)
+    ids = frequent_tokens(tokenizer, draft_vocab, target.cfg.vocab_size) if draft_vocab else None
+    report = continuation_report(head, data, ids)
+    if slice_run and has_checkpoint(Path(slice_run)):
+        drafter = load_drafter(slice_run, dtype=target.dtype, device=target.device)
+        report["slice_first_draft"] = {"run": str(slice_run), "first_draft": slice_first_draft(drafter, data)}
+    elif slice_run:
+        report["slice_first_draft"] = f"no slice drafter in {slice_run}: not measured"
+    return report
+
+
 def final_report(cfg: "FeatureTrainConfig", slice_run: str | Path = "outputs/budgetdraft/default"
                  ) -> Callable[[FeatureHead], dict[str, Any]]:
-    """The end-of-run check of ``cfg`` as a function of the trained head: (b) and (c) on ``cfg.final_prompts``
-    greedy continuations at ``cfg.final_context``, full and draft-vocabulary heads, and (b) for the slice
-    drafter in ``slice_run`` when that folder holds one (the record says when it does not)."""
+    """The end-of-run check of ``cfg`` as a function of the trained head: :func:`agreement_report` on
+    ``cfg.final_prompts`` greedy continuations at ``cfg.final_context``, with the slice drafter in ``slice_run``."""
     def evaluate(head: FeatureHead) -> dict[str, Any]:
         from ..engine.data import model_tokenizer
-        from ..speculative.vocab import frequent_tokens
-        from ..speculative.loading import has_checkpoint, load_drafter
-        target = head.target
-        tokenizer = model_tokenizer(cfg.verifier)
-        data = greedy_continuations(target, cfg.verifier, tokenizer, cfg.teacher_dir, cfg.final_prompts,
-                                    cfg.final_context, cfg.final_tokens, cfg.teacher)
-        ids = frequent_tokens(tokenizer, cfg.draft_vocab, target.cfg.vocab_size) if cfg.draft_vocab else None
-        report = continuation_report(head, data, ids)
-        if has_checkpoint(Path(slice_run)):
-            drafter = load_drafter(slice_run, dtype=target.dtype, device=target.device)
-            report["slice_first_draft"] = {"run": str(slice_run), "first_draft": slice_first_draft(drafter, data)}
-        else:
-            report["slice_first_draft"] = f"no slice drafter in {slice_run}: not measured"
-        return report
+        return agreement_report(head, cfg.verifier, model_tokenizer(cfg.verifier), cfg.teacher_dir,
+                                cfg.final_prompts, cfg.final_context, cfg.final_tokens, cfg.draft_vocab, slice_run,
+                                cfg.teacher)
     return evaluate
 
 
