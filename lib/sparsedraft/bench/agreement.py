@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     require(not args.record or args.record.endswith(".json"), f"--record takes a .json path, got {args.record!r}")
     require(Path(args.draft).is_dir(), f"no drafter folder {args.draft}")
     longest = max(GAMMAS)
+    require(args.draft_vocab >= 0, f"--draft-vocab is a token count >= 0 (0: the full head), got {args.draft_vocab}")
     require(args.context >= 3 and args.prompts >= 1 and args.tokens >= longest + 2,
             f"--context >= 3, --prompts >= 1 and --tokens >= {longest + 2} (the longest simulated round drafts "
             f"{longest})")
