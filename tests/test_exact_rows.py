@@ -88,6 +88,31 @@ def test_without_the_kernel_steps_still_match_in_fp32(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_gemm_batches_hands_a_batch_to_torch_and_only_inside_the_block(kernel, monkeypatch):
+    """Data making (gemm_batches) skips the few-row kernel and stays close to it; outside the block a batch of
+    steps is back on the kernel, 16 rows a call, each row the bits of its batch-1 step."""
+    from sparsedraft.engine.model import gemm_batches
+    model = load_model("tiny-llama")
+    prompt = torch.randint(0, model.cfg.vocab_size, (20, 12), generator=torch.Generator().manual_seed(5))
+    calls = []
+    real = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda *args: calls.append(1) or real(*args))
+
+    def step(batch):
+        with torch.inference_mode():
+            cache = model.new_cache(16, batch.shape[0])
+            model(batch[:, :-1], cache=cache)
+            return model(batch[:, -1:], cache=cache)[:, -1]
+
+    with gemm_batches():
+        fast = step(prompt)
+    assert not calls
+    exact = step(prompt)
+    assert calls
+    torch.testing.assert_close(fast, exact, rtol=1e-4, atol=1e-4)
+    assert torch.equal(exact[3], step(prompt[3:4])[0])
+
+
 @pytest.mark.slow
 def test_smollm2_speculative_greedy_equals_plain_greedy_in_bf16(kernel, smollm2, all_threads):
     """The case that used to break: SmolLM2 in bf16 at 2K, where spec left plain greedy after 20-32 tokens."""

@@ -20,13 +20,17 @@ too little text for a head that EAGLE trains on millions of tokens:
 - ``sampled``: the target's own continuations of train-split essay prompts,
   sampled at temperature ~0.8 in one batched decode: the text a speculative
   decoder's drafter faces. Their teacher comes from the decode's own
-  forwards (:func:`continue_with_teacher`), so this text costs one decode,
-  bandwidth-bound and shared by the batch, instead of a second forward; it is
+  forwards (:func:`continue_with_teacher`), so this text costs one decode
+  shared by the batch instead of a second forward. A batch of 32 decodes is
+  compute-bound, so it multiplies through torch's GEMM
+  (:func:`~sparsedraft.engine.model.gemm_batches`) rather than the row-exact
+  few-row kernel: the samples need no bit-for-bit batch independence. It is
   cached as one file keyed by the prompts and the sampling law.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -38,7 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from ..engine.cache import StaticCache
 from ..engine.data import Tokenizer, corpus_tokens
-from ..engine.model import Capture, Transformer
+from ..engine.model import Capture, Transformer, gemm_batches
 from ..engine.prefill import prefill
 from ..errors import require
 from ..progress import bar
@@ -94,13 +98,21 @@ def text_windows(tokenizer: Tokenizer, source: str, seq_len: int, count: int) ->
 
 @torch.inference_mode()
 def continue_with_teacher(target: Transformer, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0,
-                          seed: int = 0, prompt_teacher: bool = True) -> dict[str, torch.Tensor]:
+                          seed: int = 0, prompt_teacher: bool = True, exact: bool = True) -> dict[str, torch.Tensor]:
     """Continue equal-length ``prompts`` [B, P] by ``new_tokens`` (greedy at temperature 0, else sampled from
     softmax(logits / temperature)) in one batched cache, keeping the teacher of every token from the decode's
     own forwards: no second pass over the text. Returns ``tokens`` [B, P+N], ``features`` [B, P+N, hidden] bf16,
     and with ``prompt_teacher`` (one unchunked prompt forward: its logits are B x P x vocab floats) ``greedy``,
     ``top_ids``, ``top_probs`` over every position; without it the prompt is prefilled in chunks and the
-    teacher of its tokens but the last is not kept (``greedy`` -1 there)."""
+    teacher of its tokens but the last is not kept (``greedy`` -1 there). ``exact=False`` multiplies a batch
+    through torch's GEMM (:func:`~sparsedraft.engine.model.gemm_batches`): faster, but a row's bits then depend
+    on its batch."""
+    with contextlib.nullcontext() if exact else gemm_batches():
+        return _continue(target, prompts, new_tokens, temperature, seed, prompt_teacher)
+
+
+def _continue(target: Transformer, prompts: torch.Tensor, new_tokens: int, temperature: float, seed: int,
+              prompt_teacher: bool) -> dict[str, torch.Tensor]:
     b, p = prompts.shape
     gen = torch.Generator().manual_seed(seed)
     cache = StaticCache(target.cfg, p + new_tokens, b, target.dtype, target.device)
@@ -136,10 +148,10 @@ def _top(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, count: int, prompt_len: int,
                     new_tokens: int, temperature: float, seed: int, cache_dir: str | Path, compute: bool = True,
-                    batch: int = 16, progress: bool = False) -> list[Window]:
+                    batch: int = 32, progress: bool = False) -> list[Window]:
     """``count`` windows of ``prompt_len + new_tokens``: prompts spread evenly over the essays' train split and
-    the target's sampled continuations of them, ``batch`` rows per decode, with the teacher the decode
-    computed anyway; cached on disk as one file."""
+    the target's sampled continuations of them, ``batch`` rows per decode (through torch's GEMM), with the
+    teacher the decode computed anyway; cached on disk as one file."""
     if count == 0:
         return []
     corpus = corpus_tokens(tokenizer, "train")
@@ -149,12 +161,13 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
     prompts = torch.stack([corpus[i * stride:i * stride + prompt_len] for i in range(count)])
     key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
            "dtype": str(target.dtype), "prompts": hashlib.sha256(prompts.numpy().tobytes()).hexdigest(),
-           "new_tokens": new_tokens, "temperature": temperature, "seed": seed, "batch": batch}
+           "new_tokens": new_tokens, "temperature": temperature, "seed": seed, "batch": batch, "linear": "gemm"}
     path = Path(cache_dir) / f"sampled-{digest(key)}.safetensors"
     if not path.is_file():
         require(compute, f"the sampled continuations are not cached (expected {path}); run once without "
                          "--no-teacher")
-        parts = [continue_with_teacher(target, prompts[i:i + batch], new_tokens, temperature, seed + i)
+        parts = [continue_with_teacher(target, prompts[i:i + batch], new_tokens, temperature, seed + i,
+                                       exact=False)
                  for i in bar(range(0, count, batch), desc="sampled", unit="batch", show=progress)]
         save_tensors({k: torch.cat([part[k] for part in parts]) for k in parts[0]}, path,
                      {"key": json.dumps(key, sort_keys=True, default=str)})

@@ -15,6 +15,9 @@ softmax path, which the tests check against the fused one).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -190,13 +193,30 @@ def _attend_rows(cache: RowCaches, layer: int, q: torch.Tensor, k: torch.Tensor,
 
 
 EXACT_ROWS = 256  # a batch of steps (<= KERNEL_MAX_TOKENS tokens a row) of up to this many rows: the kernel, 16 a call
+_GEMM_BATCHES = contextvars.ContextVar("sparsedraft_gemm_batches", default=False)
+
+
+@contextlib.contextmanager
+def gemm_batches() -> Iterator[None]:
+    """Within this block every linear layer multiplies through torch's own kernels instead of the few-row
+    exact kernel. That kernel is built for bandwidth-bound steps; a batch of decodes (16-64 rows) is
+    compute-bound, and there torch's GEMM is faster (``python -m sparsedraft.bench.sampler`` times both).
+    A row's bits then depend on its batch, so this is for making data (the feature drafter's sampled
+    continuations), never for speculative decoding, whose batch rows must equal their batch-1 runs."""
+    token = _GEMM_BATCHES.set(True)
+    try:
+        yield
+    finally:
+        _GEMM_BATCHES.reset(token)
 
 
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; a decode or verification step (CPU, no autograd, at most :data:`EXACT_ROWS` rows of at
     most :data:`KERNEL_MAX_TOKENS` tokens per sequence) goes through the C++ kernel, which reads the weight
     once per 16 rows and gives each row the bits it gets alone, so a batch of steps gives every row what its
-    batch-1 step gives."""
+    batch-1 step gives (unless :func:`gemm_batches` asks for speed instead)."""
+    if _GEMM_BATCHES.get():
+        return layer(x)
     if isinstance(layer, nn.Linear):
         weight, scale = layer.weight, None
     elif isinstance(layer, Int8Linear):  # int8 codes and a scale per output row: the same kernel
