@@ -191,3 +191,36 @@ def test_bad_input_fails_fast_from_python(nothing_heavy, bench, flags, words):
         else:
             compare(CompareConfig(**common, methods=((bench, values),)))
     assert time.perf_counter() - start < 1.0
+
+
+def test_sampler_bench_times_both_paths_on_the_same_batch_step(monkeypatch):
+    """bench.sampler: one row per linear path per batch, the GEMM row carrying the ratio of the two medians;
+    the GEMM path really skips the few-row kernel (counted), the exact path does not."""
+    from sparsedraft.bench.sampler import time_batch
+    from sparsedraft.engine import kernels
+    calls = {"n": 0}
+    real = kernels.linear
+
+    def counting(*args):
+        calls["n"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(kernels, "linear", counting)
+    model = tiny_model("llama")
+    rows = time_batch(model, 20, 24, warmup=1, repeats=3)
+    assert [r["path"] for r in rows] == ["row-exact kernel", "torch GEMM"]
+    exact, gemm = rows
+    assert exact["batch"] == gemm["batch"] == 20 and exact["context"] == 24
+    assert gemm["speedup"] == pytest.approx(exact["ms"] / gemm["ms"], rel=0.02)
+    assert exact["tokens_per_s"] == pytest.approx(20 / exact["ms"] * 1e3, rel=0.02)
+    if kernels.available():
+        assert calls["n"] > 0  # only the exact path's steps reach the kernel
+
+
+def test_sampler_bench_refuses_bad_flags_before_loading_a_model(monkeypatch):
+    from sparsedraft.bench import sampler
+    monkeypatch.setattr(sampler, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(SparsedraftError, match="--batch and --context must be >= 1"):
+        sampler.main(["--batch", "0"])
+    with pytest.raises(SparsedraftError, match="--record takes a .json path"):
+        sampler.main(["--record", "out.txt"])
