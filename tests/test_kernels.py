@@ -218,11 +218,12 @@ def test_few_rows_linear_matches_torch_and_each_row_is_independent_of_the_others
     x = torch.randn(16, k, generator=gen).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     alone = [kernels.linear(x[m:m + 1], w, b) for m in range(16)]
-    for rows in (1, 2, 5, 9, 16):
+    for rows in range(1, 17):
         out = kernels.linear(x[:rows], w, b)
         torch.testing.assert_close(out.float(), torch.nn.functional.linear(x[:rows], w, b).float(), **tol)
         for m in range(rows):
             assert torch.equal(out[m], alone[m][0])
+        assert torch.equal(kernels.linear(x[:rows], w, b, paired=False), out)  # AVX2's two row layouts agree
     torch.testing.assert_close(kernels.linear(x[None, :3], w).float()[0],
                                torch.nn.functional.linear(x[:3], w).float(), **tol)  # leading dims, no bias
 
@@ -274,6 +275,7 @@ def test_int8_linear_matches_its_dequantised_product_and_rows_are_independent(bu
         torch.testing.assert_close(out.float(), want, **tol)
         for m in range(rows):
             assert torch.equal(out[m], alone[m][0])
+        assert torch.equal(kernels.linear(x[:rows], codes, bias, scale, paired=False), out)
 
 
 def test_int8_linear_module_uses_the_kernel_and_agrees_with_torchs_packed_op(built, monkeypatch):

@@ -1,6 +1,10 @@
 """Time the C++ attention kernel against torch SDPA on SmolLM2-135M-shaped decode attention, and the kernel as
 it runs (keys as lanes for steps of at most ``kernels.KEY_ROWS`` rows per KV head) against its rows-as-lanes
-path alone.
+path alone. With ``--linear``, time instead the few-row linear kernel over every weight matrix of a
+SmolLM2-135M forward (30 layers' projections and the head, each its own matrix, so the weights come from
+memory) for steps of 1-16 rows: torch's ``F.linear``, the kernel as it runs (AVX2+FMA: rows in pairs past
+two) and unpaired, each beside its roofline time max(weight bytes / read bandwidth, FLOPs / fp32 peak),
+both measured in this process.
 
 Not a test (a test never asserts a wall-clock time): ``python -m sparsedraft.bench.kernel_timing``.
 Each step attends ``layers`` separate caches (so the KV comes from memory, as in a real forward),
@@ -19,8 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..engine.kernels import attend, available, path
-from ..engine.machine import provenance
+from ..engine.cpuinfo import cpu_flags
+from ..engine.kernels import MAX_LINEAR_ROWS, attend, available, linear, path
+from ..engine.machine import best_isa, peak_gflops, provenance
 from ..engine.roofline import measure_read_bandwidth
 from ..errors import require
 from .record import write_record
@@ -76,12 +81,51 @@ def time_step(layers: int = 30, heads: int = 9, kv: int = 3, d: int = 64, contex
     return rows
 
 
+SMOLLM2_LINEARS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # [N, K]
+
+
+def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2, repeats: int = 5,
+                read_gb_s: float = 0.0, peak_gflops: float = 0.0) -> list[dict]:
+    """Median ms of one step's linear layers (``layers`` x SmolLM2's seven projections, then the head) for
+    ``rows`` fp32 rows, per path, with the roofline time when bandwidth and peak are given."""
+    require(1 <= rows <= MAX_LINEAR_ROWS, f"rows must be in 1..{MAX_LINEAR_ROWS}, got {rows}")
+    gen = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(n, k, generator=gen) / k ** 0.5 for _ in range(layers) for n, k in SMOLLM2_LINEARS]
+    weights.append(torch.randn(vocab, 576, generator=gen) / 24)
+    xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+
+    def run(fn):
+        def timed():
+            start = time.perf_counter()
+            for w in weights:
+                fn(xs[w.shape[1]], w)
+            return time.perf_counter() - start
+        return timed
+
+    paths = {"torch F.linear": run(F.linear), "kernel": run(lambda x, w: linear(x, w)),
+             "kernel, unpaired": run(lambda x, w: linear(x, w, paired=False))}
+    with torch.inference_mode():
+        runs = interleaved_runs(paths, warmup, repeats)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    flops = 2 * rows * sum(w.numel() for w in weights)
+    roof = max(nbytes / read_gb_s / 1e6 if read_gb_s else 0.0, flops / peak_gflops / 1e6 if peak_gflops else 0.0)
+    out = []
+    for name, seconds in runs.items():
+        ms = sorted(seconds)[len(seconds) // 2] * 1e3
+        out.append({"rows": rows, "method": name, "ms": round(ms, 2), "gflop_s": round(flops / ms / 1e6, 1),
+                    "weight_gb_s": round(nbytes / ms / 1e6, 1), "roofline_ms": round(roof, 2) if roof else None,
+                    "over_roofline": round(ms / roof, 2) if roof else None})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, nargs="+", default=[8000, 32000])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--linear", type=int, nargs="*", metavar="ROWS", default=None,
+                        help="time the few-row linear kernel instead, at these step sizes (default 1 2 4 8 16)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--record", default="", metavar="PATH.json",
                         help="also write the rows as a results record (docs/results/), with this process's read "
@@ -92,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if not available():
         raise SystemExit("the C++ kernel is unavailable here; nothing to time")
+    if args.linear is not None:
+        return _main_linear(args, argv)
     rows = [row for context in args.context for dtype in args.dtype for t in args.tokens
             for row in time_step(context=context, t=t, dtype=dtype, repeats=args.repeats)]
     print(f"kernels: {path()}")
@@ -104,6 +150,28 @@ def main(argv: list[str] | None = None) -> None:
         started = provenance()
         read = measure_read_bandwidth() / 1e9
         result["read_gb_s"] = read
+        command = "python -m sparsedraft.bench.kernel_timing " + shlex.join(argv if argv is not None else sys.argv[1:])
+        print(f"record written to {write_record(args.record, result, read, command, started)}", file=sys.stderr)
+    print(json.dumps(result))
+
+
+def _main_linear(args, argv: list[str] | None) -> None:
+    steps = args.linear or [1, 2, 4, 8, 16]
+    require(all(1 <= m <= MAX_LINEAR_ROWS for m in steps), f"--linear takes step sizes in 1..{MAX_LINEAR_ROWS}, "
+                                                           f"got {steps}")
+    started = provenance()
+    read = measure_read_bandwidth() / 1e9
+    peak = peak_gflops(["fp32"])["fp32"]
+    rows = [row for m in steps for row in time_linear(m, repeats=args.repeats, read_gb_s=read, peak_gflops=peak)]
+    print(f"kernels: {path()}; read {read:.1f} GB/s, fp32 peak {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
+    print(f"{'rows':>4} {'method':>17} {'ms':>8} {'GFLOP/s':>8} {'W GB/s':>7} {'roofline':>8} {'x roof':>6}")
+    for row in rows:
+        print(f"{row['rows']:>4} {row['method']:>17} {row['ms']:>8.2f} {row['gflop_s']:>8.1f} "
+              f"{row['weight_gb_s']:>7.1f} {row['roofline_ms']:>8.2f} {row['over_roofline']:>6.2f}")
+    result = {"bench": "kernel_timing", "kind": "linear", "isa": best_isa(cpu_flags()), "read_gb_s": read,
+              "peak_gflops": {"fp32": round(peak, 1)}, "threads": torch.get_num_threads(), "kernels": path(),
+              "rows": rows}
+    if args.record:
         command = "python -m sparsedraft.bench.kernel_timing " + shlex.join(argv if argv is not None else sys.argv[1:])
         print(f"record written to {write_record(args.record, result, read, command, started)}", file=sys.stderr)
     print(json.dumps(result))

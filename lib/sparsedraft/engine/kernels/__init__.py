@@ -276,12 +276,15 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, paired: bool = True) -> torch.Tensor:
     """``F.linear`` for 1..:data:`MAX_LINEAR_ROWS` rows of x [..., K] on CPU (fp32 or bf16, weight [N, K]
     contiguous), each weight row read once for all rows. The weight is of x's dtype, or int8 codes with a
     ``scale`` per output row (``(x @ codes^T) * scale``: a quarter of fp32's weight bytes, the scale applied
     after the sum). Row m's result is bitwise the same whatever the number of rows, which torch's own
-    kernels do not promise. Call :func:`available` first."""
+    kernels do not promise. ``paired`` (the AVX2+FMA path; the others ignore it): a step of more than two rows
+    runs two rows at a time over two weight rows, whose accumulators fit AVX2's 16 registers, instead of all
+    rows at once, which spills past ~6 rows (same bits either way; ``bench.kernel_timing --linear`` times
+    both). Call :func:`available` first."""
     rows = x.reshape(-1, x.shape[-1])
     require(1 <= rows.shape[0] <= MAX_LINEAR_ROWS,
             f"kernels.linear takes 1..{MAX_LINEAR_ROWS} rows, got {rows.shape[0]}; use F.linear for more")
@@ -289,8 +292,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             f"kernels.linear takes a scale with int8 weights and only then, got {weight.dtype} and "
             f"{'a' if scale is not None else 'no'} scale")
     no_bias = bias if bias is not None else torch.empty(0, dtype=x.dtype)
-    out = (_module.linear(rows.contiguous(), weight, no_bias) if scale is None
-           else _module.linear_int8(rows.contiguous(), weight, scale.float().contiguous(), no_bias))
+    out = (_module.linear(rows.contiguous(), weight, no_bias, paired) if scale is None
+           else _module.linear_int8(rows.contiguous(), weight, scale.float().contiguous(), no_bias, paired))
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

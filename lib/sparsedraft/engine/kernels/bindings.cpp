@@ -6,9 +6,9 @@
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T,
                   int64_t key_rows);
 int64_t attend_chunk();
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired);
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                const at::Tensor& bias);
+                                const at::Tensor& bias, bool paired);
 
 // The widest vector instruction set the compiler was allowed to use for these files (what -march
 // turned on), so a bench can say which path ran rather than which one the CPU offers.

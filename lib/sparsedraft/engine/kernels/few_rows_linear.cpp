@@ -130,11 +130,33 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
 }
 #endif
 
+#if defined(SPARSEDRAFT_AVX2)
+// Rows of M > 2 against weight rows wn .. wn + NB: AVX2 has 16 vector registers, and M rows' 2 * M
+// accumulators beside the weight vectors spill to memory past ~6 rows (a 16-row step ran at a quarter of
+// the matmul peak). Paired, the rows go two at a time over NB = 2 weight rows: 8 accumulators, 4 weight
+// vectors and 2 of x, one load per multiply-add, the weight rows re-read from L1 for each pair. No
+// (row, output) pair's sequence of operations changes, so the bits are those of the unpaired layout.
+template <int M, typename W>
+void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len, bool two) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) {
+    if (two) avx2_rows<2, 2>(xf + m * k_len, wn, k_len, y + m * n_len, n_len);
+    else avx2_rows<1, 2>(xf + m * k_len, wn, k_len, y + m * n_len, n_len);
+  }
+  if (m < M) {
+    if (two) avx2_rows<2, 1>(xf + m * k_len, wn, k_len, y + m * n_len, n_len);
+    else avx2_rows<1, 1>(xf + m * k_len, wn, k_len, y + m * n_len, n_len);
+  }
+}
+#endif
+
 // Rows of W [n0, n1) against all M rows of xf (float32 copy of x, [M, K]); results as float32.
 // Lane l of acc[m] sums k = l, l + 16, ... (one multiply-add each, in k order): the AVX-512, AVX2+FMA
-// and portable paths do the same operations (with FMA, the same bits), 16 lanes at a time.
+// and portable paths do the same operations (with FMA, the same bits), 16 lanes at a time. ``paired``
+// (AVX2+FMA only) runs steps of more than 2 rows two rows at a time (avx2_paired); the others ignore it.
 template <int M, typename W>
-void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, float* yf, int64_t n_len) {
+void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, float* yf, int64_t n_len,
+          bool paired) {
   const int64_t full = k_len - k_len % kLanes;
   for (int64_t n = n0; n < n1; ++n) {
     const W* wn = w + n * k_len;
@@ -176,6 +198,12 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
     }
     for (int m = 0; m < M; ++m) _mm512_store_ps(acc[m], vacc[m]);
 #elif defined(SPARSEDRAFT_AVX2)
+    if (M > 2 && paired) {
+      const bool two = n + 2 <= n1;
+      avx2_paired<M>(xf, wn, k_len, yf + n, n_len, two);
+      n += two ? 1 : 0;
+      continue;
+    }
     constexpr int NB = M == 1 ? 3 : (M <= 2 ? 2 : 1);
     if (n + NB <= n1) {
       avx2_rows<NB, M>(xf, wn, k_len, yf + n, n_len);
@@ -185,6 +213,7 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
     }
     continue;
 #else
+    (void)paired;
     for (int m = 0; m < M; ++m)
       for (int l = 0; l < kLanes; ++l) acc[m][l] = 0.0f;
     for (int64_t k = 0; k < full; k += kLanes)
@@ -200,7 +229,7 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
 }
 
 template <typename W>
-using RowsFn = void (*)(const float*, const W*, int64_t, int64_t, int64_t, float*, int64_t);
+using RowsFn = void (*)(const float*, const W*, int64_t, int64_t, int64_t, float*, int64_t, bool);
 
 template <typename W, int... Ms>
 RowsFn<W> pick(int64_t m, std::integer_sequence<int, Ms...>) {
@@ -213,7 +242,8 @@ RowsFn<W> pick(int64_t m, std::integer_sequence<int, Ms...>) {
 
 // x W^T (+ b), or with int8 codes w and a scale per output row, (x Q^T) * scale (+ b): the same lanes and
 // order over k either way, the scale applied once per output after the sum.
-static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias) {
+static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
+                              bool paired) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "few_rows_linear takes x [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "few_rows_linear takes 1..", kMaxRows, " rows, got ",
@@ -234,12 +264,12 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
   const auto ms = std::make_integer_sequence<int, kMaxRows>{};
   at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
     if (codes) {
-      pick<int8_t>(m_len, ms)(xp, w.data_ptr<int8_t>(), k_len, n0, n1, yp, n_len);
+      pick<int8_t>(m_len, ms)(xp, w.data_ptr<int8_t>(), k_len, n0, n1, yp, n_len, paired);
     } else if (w.scalar_type() == at::kFloat) {
-      pick<float>(m_len, ms)(xp, w.data_ptr<float>(), k_len, n0, n1, yp, n_len);
+      pick<float>(m_len, ms)(xp, w.data_ptr<float>(), k_len, n0, n1, yp, n_len, paired);
     } else {
       auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-      pick<uint16_t>(m_len, ms)(xp, wp, k_len, n0, n1, yp, n_len);
+      pick<uint16_t>(m_len, ms)(xp, wp, k_len, n0, n1, yp, n_len, paired);
     }
   });
   if (codes) yf.mul_(scale.contiguous().view({1, n_len}));  // after the sum: the same for every M
@@ -254,12 +284,12 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
   return out;
 }
 
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
-  return rows_linear(x, w, at::Tensor(), bias);
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired) {
+  return rows_linear(x, w, at::Tensor(), bias, paired);
 }
 
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                const at::Tensor& bias) {
+                                const at::Tensor& bias, bool paired) {
   TORCH_CHECK(codes.scalar_type() == at::kChar, "few_rows_linear_int8 takes int8 codes");
-  return rows_linear(x, codes, scale, bias);
+  return rows_linear(x, codes, scale, bias, paired);
 }
