@@ -281,10 +281,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     contiguous), each weight row read once for all rows. The weight is of x's dtype, or int8 codes with a
     ``scale`` per output row (``(x @ codes^T) * scale``: a quarter of fp32's weight bytes, the scale applied
     after the sum). Row m's result is bitwise the same whatever the number of rows, which torch's own
-    kernels do not promise. ``paired`` (the AVX2+FMA path; the others ignore it): a step of more than two rows
+    kernels do not promise. ``paired`` (the AVX2+FMA path; the others ignore it): a step of more than 8 rows
     runs two rows at a time over two weight rows, whose accumulators fit AVX2's 16 registers, instead of all
-    rows at once, which spills past ~6 rows (same bits either way; ``bench.kernel_timing --linear`` times
-    both). Call :func:`available` first."""
+    rows at once, which spills there (same bits either way; ``bench.kernel_timing --linear`` times both).
+    Call :func:`available` first."""
     rows = x.reshape(-1, x.shape[-1])
     require(1 <= rows.shape[0] <= MAX_LINEAR_ROWS,
             f"kernels.linear takes 1..{MAX_LINEAR_ROWS} rows, got {rows.shape[0]}; use F.linear for more")

@@ -131,11 +131,14 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
 #endif
 
 #if defined(SPARSEDRAFT_AVX2)
-// Rows of M > 2 against weight rows wn .. wn + NB: AVX2 has 16 vector registers, and M rows' 2 * M
-// accumulators beside the weight vectors spill to memory past ~6 rows (a 16-row step ran at a quarter of
-// the matmul peak). Paired, the rows go two at a time over NB = 2 weight rows: 8 accumulators, 4 weight
+// Rows of M > kPairFrom against weight rows wn .. wn + NB: AVX2 has 16 vector registers, and M rows'
+// 2 * M accumulators beside the weight vectors spill to memory past ~7 rows (a 16-row step ran at a third
+// of the matmul peak). Paired, the rows go two at a time over NB = 2 weight rows: 8 accumulators, 4 weight
 // vectors and 2 of x, one load per multiply-add, the weight rows re-read from L1 for each pair. No
 // (row, output) pair's sequence of operations changes, so the bits are those of the unpaired layout.
+// Timed over SmolLM2's weights (bench.kernel_timing --linear): unpaired wins up to 7 rows, ties at 8,
+// paired wins from 9 (1.4x at 16).
+constexpr int kPairFrom = 8;
 template <int M, typename W>
 void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len, bool two) {
   int64_t m = 0;
@@ -153,7 +156,7 @@ void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t 
 // Rows of W [n0, n1) against all M rows of xf (float32 copy of x, [M, K]); results as float32.
 // Lane l of acc[m] sums k = l, l + 16, ... (one multiply-add each, in k order): the AVX-512, AVX2+FMA
 // and portable paths do the same operations (with FMA, the same bits), 16 lanes at a time. ``paired``
-// (AVX2+FMA only) runs steps of more than 2 rows two rows at a time (avx2_paired); the others ignore it.
+// (AVX2+FMA only) runs steps of more than kPairFrom rows two at a time (avx2_paired); the others ignore it.
 template <int M, typename W>
 void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, float* yf, int64_t n_len,
           bool paired) {
@@ -198,7 +201,7 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
     }
     for (int m = 0; m < M; ++m) _mm512_store_ps(acc[m], vacc[m]);
 #elif defined(SPARSEDRAFT_AVX2)
-    if (M > 2 && paired) {
+    if (M > kPairFrom && paired) {
       const bool two = n + 2 <= n1;
       avx2_paired<M>(xf, wn, k_len, yf + n, n_len, two);
       n += two ? 1 : 0;
