@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -24,12 +23,11 @@ import torch
 from ..budgetdraft.feature_eval import GAMMAS, agreement_report
 from ..engine.data import model_tokenizer
 from ..engine.machine import provenance
-from ..engine.roofline import measure_read_bandwidth
 from ..engine.weights import load_model
 from ..errors import require
 from ..speculative.feature import load_feature_head, read_record
 from ..speculative.loading import has_checkpoint
-from .record import write_record
+from .record import write_module_record
 
 
 def measure(draft: str, context: int = 4096, prompts: int = 6, tokens: int = 160, draft_vocab: int = 8192,
@@ -80,10 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     if "slice_first_draft" in report:
         print(f"slice drafter {args.slice}: first draft {report['slice_first_draft']['first_draft']:.1%}")
     if args.record:
-        read = measure_read_bandwidth() / 1e9
-        result["read_gb_s"] = read
-        command = "python -m sparsedraft.bench.agreement " + shlex.join(argv if argv is not None else sys.argv[1:])
-        print(f"record written to {write_record(args.record, result, read, command, started)}", file=sys.stderr)
+        print(f"record written to {write_module_record(args.record, 'agreement', argv, result, started)}",
+              file=sys.stderr)
     print(json.dumps(result, default=str))
 
 

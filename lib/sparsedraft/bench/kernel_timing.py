@@ -3,7 +3,7 @@ it runs (keys as lanes for steps of at most ``kernels.KEY_ROWS`` rows per KV hea
 path alone. With ``--linear``, time instead the few-row linear kernel over every weight matrix of a
 SmolLM2-135M forward (30 layers' projections and the head, each its own matrix, so the weights come from
 memory) for steps of 1-16 rows: torch's ``F.linear``, the kernel as it runs (AVX2+FMA: rows in pairs past
-two) and unpaired, each beside its roofline time max(weight bytes / read bandwidth, FLOPs / fp32 peak),
+eight) and unpaired, each beside its roofline time max(weight bytes / read bandwidth, FLOPs / fp32 peak),
 both measured in this process.
 
 Not a test (a test never asserts a wall-clock time): ``python -m sparsedraft.bench.kernel_timing``.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 
@@ -28,8 +27,8 @@ from ..engine.kernels import MAX_LINEAR_ROWS, attend, available, linear, path
 from ..engine.machine import best_isa, peak_gflops, provenance
 from ..engine.roofline import measure_read_bandwidth
 from ..errors import require
-from .record import write_record
-from .timing import interleaved_runs
+from .record import write_module_record
+from .timing import interleaved_runs, median_ms
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -74,7 +73,7 @@ def time_step(layers: int = 30, heads: int = 9, kv: int = 3, d: int = 64, contex
     kv_bytes = layers * 2 * kv * context * d * caches[0][0].element_size()
     rows = []
     for name, seconds in runs.items():
-        ms = sorted(seconds)[len(seconds) // 2] * 1e3
+        ms = median_ms(seconds)
         rows.append({"context": context, "T": t, "dtype": dtype, "method": name, "ms": round(ms, 2),
                      "kv_gb_s": round(kv_bytes / ms / 1e6, 1), "kv_mb": round(kv_bytes / 1e6, 1),
                      "max_abs_diff": diff})
@@ -85,7 +84,7 @@ SMOLLM2_LINEARS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), 
 
 
 def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2, repeats: int = 5,
-                read_gb_s: float = 0.0, peak_gflops: float = 0.0) -> list[dict]:
+                read_gb_s: float = 0.0, peak_gflop_s: float = 0.0) -> list[dict]:
     """Median ms of one step's linear layers (``layers`` x SmolLM2's seven projections, then the head) for
     ``rows`` fp32 rows, per path, with the roofline time when bandwidth and peak are given."""
     require(1 <= rows <= MAX_LINEAR_ROWS, f"rows must be in 1..{MAX_LINEAR_ROWS}, got {rows}")
@@ -108,10 +107,10 @@ def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2
         runs = interleaved_runs(paths, warmup, repeats)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     flops = 2 * rows * sum(w.numel() for w in weights)
-    roof = max(nbytes / read_gb_s / 1e6 if read_gb_s else 0.0, flops / peak_gflops / 1e6 if peak_gflops else 0.0)
+    roof = max(nbytes / read_gb_s / 1e6 if read_gb_s else 0.0, flops / peak_gflop_s / 1e6 if peak_gflop_s else 0.0)
     out = []
     for name, seconds in runs.items():
-        ms = sorted(seconds)[len(seconds) // 2] * 1e3
+        ms = median_ms(seconds)
         out.append({"rows": rows, "method": name, "ms": round(ms, 2), "gflop_s": round(flops / ms / 1e6, 1),
                     "weight_gb_s": round(nbytes / ms / 1e6, 1), "roofline_ms": round(roof, 2) if roof else None,
                     "over_roofline": round(ms / roof, 2) if roof else None})
@@ -138,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the C++ kernel is unavailable here; nothing to time")
     if args.linear is not None:
         return _main_linear(args, argv)
+    started = provenance()
     rows = [row for context in args.context for dtype in args.dtype for t in args.tokens
             for row in time_step(context=context, t=t, dtype=dtype, repeats=args.repeats)]
     print(f"kernels: {path()}")
@@ -147,11 +147,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['kv_gb_s']:>8.1f} {row['kv_mb']:>7.1f}")
     result = {"bench": "kernel_timing", "threads": torch.get_num_threads(), "kernels": path(), "rows": rows}
     if args.record:
-        started = provenance()
-        read = measure_read_bandwidth() / 1e9
-        result["read_gb_s"] = read
-        command = "python -m sparsedraft.bench.kernel_timing " + shlex.join(argv if argv is not None else sys.argv[1:])
-        print(f"record written to {write_record(args.record, result, read, command, started)}", file=sys.stderr)
+        print(f"record written to {write_module_record(args.record, 'kernel_timing', argv, result, started)}",
+              file=sys.stderr)
     print(json.dumps(result))
 
 
@@ -162,7 +159,7 @@ def _main_linear(args, argv: list[str] | None) -> None:
     started = provenance()
     read = measure_read_bandwidth() / 1e9
     peak = peak_gflops(["fp32"])["fp32"]
-    rows = [row for m in steps for row in time_linear(m, repeats=args.repeats, read_gb_s=read, peak_gflops=peak)]
+    rows = [row for m in steps for row in time_linear(m, repeats=args.repeats, read_gb_s=read, peak_gflop_s=peak)]
     print(f"kernels: {path()}; read {read:.1f} GB/s, fp32 peak {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
     print(f"{'rows':>4} {'method':>17} {'ms':>8} {'GFLOP/s':>8} {'W GB/s':>7} {'roofline':>8} {'x roof':>6}")
     for row in rows:
@@ -172,8 +169,8 @@ def _main_linear(args, argv: list[str] | None) -> None:
               "peak_gflops": {"fp32": round(peak, 1)}, "threads": torch.get_num_threads(), "kernels": path(),
               "rows": rows}
     if args.record:
-        command = "python -m sparsedraft.bench.kernel_timing " + shlex.join(argv if argv is not None else sys.argv[1:])
-        print(f"record written to {write_record(args.record, result, read, command, started)}", file=sys.stderr)
+        print(f"record written to {write_module_record(args.record, 'kernel_timing', argv, result, started, read)}",
+              file=sys.stderr)
     print(json.dumps(result))
 
 

@@ -46,6 +46,18 @@ MACHINE_REQUIRED = ("isa", "read_gb_s")
 RESULT_BODIES = ("rows", "runs", "report")
 
 
+def write_module_record(path: str | Path, module: str, argv: list[str] | None, result: dict[str, Any],
+                        started: dict[str, Any], read_gb_s: float | None = None) -> Path:
+    """A ``python -m sparsedraft.bench.<module>`` command's ``--record``: its command line as run, the read
+    bandwidth (measured now unless given, and kept in ``result``) and the provenance taken when it started."""
+    from ..engine.roofline import measure_read_bandwidth
+    if read_gb_s is None:
+        read_gb_s = measure_read_bandwidth() / 1e9
+    result["read_gb_s"] = read_gb_s
+    command = f"python -m sparsedraft.bench.{module} " + shlex.join(argv if argv is not None else sys.argv[1:])
+    return write_record(path, result, read_gb_s, command, started)
+
+
 def write_record(path: str | Path, result: dict[str, Any], read_gb_s: float | None = None,
                  command: str | None = None, started: dict[str, Any] | None = None) -> Path:
     """Write ``result`` (a bench's ``to_dict()``) with its provenance to ``path`` as indented JSON.

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shlex
 import sys
 import time
 
@@ -23,11 +22,11 @@ import torch
 
 from ..engine.machine import peak_gflops, provenance
 from ..engine.model import Transformer, gemm_batches
-from ..engine.roofline import attention_flops, measure_read_bandwidth, weight_flops
+from ..engine.roofline import attention_flops, weight_flops
 from ..engine.weights import load_model
 from ..errors import require
-from .record import write_record
-from .timing import interleaved_runs
+from .record import write_module_record
+from .timing import interleaved_runs, median_ms
 
 PATHS = {"row-exact kernel": contextlib.nullcontext, "torch GEMM": gemm_batches}
 
@@ -60,7 +59,7 @@ def time_batch(model: Transformer, batch: int, context: int, warmup: int = 2, re
     flops = batch * (weight_flops(cfg) + attention_flops(cfg, context + 1))
     rows = []
     for path, seconds in runs.items():
-        ms = sorted(seconds)[len(seconds) // 2] * 1e3
+        ms = median_ms(seconds)
         rows.append({"batch": batch, "context": context, "path": path, "ms": round(ms, 2),
                      "tokens_per_s": round(batch / ms * 1e3, 1), "gflop_s": round(flops / ms / 1e6, 1)})
     exact, gemm = rows
@@ -96,10 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"bench": "sampler", "model": args.model, "threads": torch.get_num_threads(),
               "peak_gflops": {"fp32": round(peak, 1)}, "rows": rows}
     if args.record:
-        read = measure_read_bandwidth() / 1e9
-        result["read_gb_s"] = read
-        command = "python -m sparsedraft.bench.sampler " + shlex.join(argv if argv is not None else sys.argv[1:])
-        print(f"record written to {write_record(args.record, result, read, command, started)}", file=sys.stderr)
+        print(f"record written to {write_module_record(args.record, 'sampler', argv, result, started)}",
+              file=sys.stderr)
     print(json.dumps(result))
 
 

@@ -33,3 +33,8 @@ def median_run(runs: list[R], key: Callable[[R], float]) -> R:
     """The run whose ``key`` is the median (the upper middle one for an even count), so the stats a
     report shows beside a median time come from one real run."""
     return sorted(runs, key=key)[len(runs) // 2]
+
+
+def median_ms(seconds: list[float]) -> float:
+    """The median of timed runs in seconds (the upper middle one for an even count), in milliseconds."""
+    return sorted(seconds)[len(seconds) // 2] * 1e3

@@ -21,10 +21,11 @@ too little text for a head that EAGLE trains on millions of tokens:
   sampled at temperature ~0.8 in one batched decode: the text a speculative
   decoder's drafter faces. Their teacher comes from the decode's own
   forwards (:func:`continue_with_teacher`), so this text costs one decode
-  shared by the batch instead of a second forward. A batch of 32 decodes is
-  compute-bound, so it multiplies through torch's GEMM
-  (:func:`~sparsedraft.engine.model.gemm_batches`) rather than the row-exact
-  few-row kernel: the samples need no bit-for-bit batch independence. It is
+  shared by the batch instead of a second forward. The samples need no
+  bit-for-bit batch independence, so the batch multiplies through torch's
+  GEMM (:func:`~sparsedraft.engine.model.gemm_batches`) rather than the
+  row-exact few-row kernel (level with it at 32 rows, 1.2x at 64:
+  ``bench.sampler``). It is
   cached as one file keyed by the prompts and the sampling law.
 """
 

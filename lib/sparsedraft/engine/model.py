@@ -199,8 +199,9 @@ _GEMM_BATCHES = contextvars.ContextVar("sparsedraft_gemm_batches", default=False
 @contextlib.contextmanager
 def gemm_batches() -> Iterator[None]:
     """Within this block every linear layer multiplies through torch's own kernels instead of the few-row
-    exact kernel. That kernel is built for bandwidth-bound steps; a batch of decodes (16-64 rows) is
-    compute-bound, and there torch's GEMM is faster (``python -m sparsedraft.bench.sampler`` times both).
+    exact kernel. That kernel is built for bandwidth-bound steps; a batch of decodes is compute-bound, and
+    there torch's GEMM is level with it at 32 rows and faster at 64 (``python -m sparsedraft.bench.sampler``
+    times both).
     A row's bits then depend on its batch, so this is for making data (the feature drafter's sampled
     continuations), never for speculative decoding, whose batch rows must equal their batch-1 runs."""
     token = _GEMM_BATCHES.set(True)

@@ -137,7 +137,7 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
 // vectors and 2 of x, one load per multiply-add, the weight rows re-read from L1 for each pair. No
 // (row, output) pair's sequence of operations changes, so the bits are those of the unpaired layout.
 // Timed over SmolLM2's weights (bench.kernel_timing --linear): unpaired wins up to 7 rows, ties at 8,
-// paired wins from 9 (1.4x at 16).
+// paired wins from 9 (1.5x at 16).
 constexpr int kPairFrom = 8;
 template <int M, typename W>
 void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len, bool two) {
