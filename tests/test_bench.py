@@ -224,3 +224,10 @@ def test_sampler_bench_refuses_bad_flags_before_loading_a_model(monkeypatch):
         sampler.main(["--batch", "0"])
     with pytest.raises(SparsedraftError, match="--record takes a .json path"):
         sampler.main(["--record", "out.txt"])
+
+
+def test_linear_kernel_timing_refuses_bad_step_sizes_before_building_the_kernel(monkeypatch):
+    from sparsedraft.bench import kernel_timing
+    monkeypatch.setattr(kernel_timing, "available", lambda: pytest.fail("built the kernel"))
+    with pytest.raises(SparsedraftError, match="--linear takes step sizes in 1..16"):
+        kernel_timing.main(["--linear", "17"])

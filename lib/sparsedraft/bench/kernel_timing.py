@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
                              "bandwidth, the ISA and the commit")
     args = parser.parse_args(argv)
     require(not args.record or args.record.endswith(".json"), f"--record takes a .json path, got {args.record!r}")
+    require(all(1 <= m <= MAX_LINEAR_ROWS for m in args.linear or []),
+            f"--linear takes step sizes in 1..{MAX_LINEAR_ROWS}, got {args.linear}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not available():
@@ -154,8 +156,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main_linear(args, argv: list[str] | None) -> None:
     steps = args.linear or [1, 2, 4, 8, 16]
-    require(all(1 <= m <= MAX_LINEAR_ROWS for m in steps), f"--linear takes step sizes in 1..{MAX_LINEAR_ROWS}, "
-                                                           f"got {steps}")
     started = provenance()
     read = measure_read_bandwidth() / 1e9
     peak = peak_gflops(["fp32"])["fp32"]
