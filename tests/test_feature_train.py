@@ -10,7 +10,7 @@ import torch
 from sparsedraft.__main__ import main
 from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
 from sparsedraft.budgetdraft.feature_eval import accepted_per_round, agreement_summary, by_confidence
-from sparsedraft.budgetdraft.feature_loss import unroll
+from sparsedraft.budgetdraft.feature_loss import TokenHead, token_ce, unroll
 from sparsedraft.budgetdraft import feature_train
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
 from sparsedraft.engine.cache import StaticCache
@@ -98,6 +98,37 @@ def test_the_loss_falls_and_the_curve_is_written(tmp_path):
     assert (result.run_dir / "drafter" / "curve.csv").read_text().splitlines() == curve  # shipped with the drafter
 
 
+def test_the_topk_target_is_the_greedy_ce_when_the_verifier_is_sure_and_drops_ids_outside_the_vocab():
+    target = tiny_model("llama")
+    head = random_head(target)
+    ids = torch.tensor([5, 9, 17, 30, 41])
+    tokens = TokenHead(head, ids)
+    pred = torch.randn(1, 3, target.cfg.hidden_size)
+    greedy = torch.tensor([[9, 30, 5]])
+    top_ids = torch.stack([greedy, torch.full_like(greedy, 17), torch.full_like(greedy, 2)], dim=-1)
+    sure = torch.tensor([1.0, 0.0, 0.0]).expand(1, 3, 3)
+    hard = token_ce(tokens, pred, greedy)
+    assert torch.allclose(token_ce(tokens, pred, greedy, (top_ids, sure)), hard)
+    # token 2 is outside the draft vocabulary: its mass is dropped and the rest renormalised
+    split = torch.tensor([0.3, 0.3, 0.4]).expand(1, 3, 3)
+    logp = tokens.logits(pred).float().log_softmax(-1)
+    expected = -(0.5 * logp[0, torch.arange(3), tokens.targets(greedy)[0]] + 0.5 * logp[0, :, 2]).mean()
+    assert torch.allclose(token_ce(tokens, pred, greedy, (top_ids, split)), expected)
+    assert not torch.allclose(expected, hard)
+
+
+def test_a_topk_run_trains_on_the_cached_distribution(tmp_path):
+    run = config(tmp_path, "k", steps=12, lr=3e-3, eval_every=4, checkpoint_every=4, sequences=1,
+                 pydoc_sequences=0, token_target="topk")
+    result = train_feature_drafter(run, tiny_model("llama"), progress=False, provenance=False)
+    losses = [e["loss_a"] for e in result.history if "loss_a" in e]
+    assert sum(losses[-3:]) < sum(losses[:3])
+    greedy = train_feature_drafter(config(tmp_path, "g", steps=2, sequences=1, pydoc_sequences=0),
+                                   tiny_model("llama"), progress=False, provenance=False)
+    first = [e["token_0"] for e in result.history if "token_0" in e][0]
+    assert first != [e["token_0"] for e in greedy.history if "token_0" in e][0]  # the target changed the loss
+
+
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     target = tiny_model("llama")
     straight = train_feature_drafter(config(tmp_path, "a"), target, progress=False, provenance=False)
@@ -160,6 +191,10 @@ def test_a_warm_start_begins_at_the_folders_weights_and_keeps_its_lineage(tmp_pa
     assert warm.record["started_from"]["held_out_agreement"] == first.record["held_out_agreement"]
     assert warm.record["started_from"]["measured"] == {"fc": float(saved["fc.weight"].sum())}
     assert warm.record["measured"] == fc_sum(warm.head) != warm.record["started_from"]["measured"]
+    curve = (warm.run_dir / "drafter" / "curve.csv").read_text().splitlines()
+    parent = (folder / "curve.csv").read_text().splitlines()
+    assert curve[:len(parent)] == parent and len(curve) > len(parent)  # the drafter's curve covers both runs
+    assert curve[len(parent)].startswith("4,")  # its steps are counted on from the parent's last (2)
 
     def no_data(*args, **kwargs):
         raise AssertionError("teacher data was made before the folder was checked")
@@ -168,6 +203,21 @@ def test_a_warm_start_begins_at_the_folders_weights_and_keeps_its_lineage(tmp_pa
     with pytest.raises(SparsedraftError, match="trained for target"):
         train_feature_drafter(config(tmp_path, "d", head_init=str(folder)), tiny_model("llama", seed=1),
                               progress=False, provenance=False)
+
+
+def test_a_warm_starts_curve_continues_its_parents():
+    from sparsedraft.budgetdraft.feature_train import continue_curve
+    parent = [{"step": 0, "train_tokens_seen": 0, "first_draft": 0.1},
+              {"step": 400, "train_tokens_seen": 8000, "first_draft": 0.3}]
+    own = [{"step": 0, "train_tokens_seen": 0, "first_draft": 0.3}, {"step": 100, "train_tokens_seen": 900,
+                                                                      "first_draft": 0.35}]
+    assert continue_curve(parent, own) == parent + [{"step": 500, "train_tokens_seen": 8900, "first_draft": 0.35}]
+    assert continue_curve([], own) == own
+
+
+def test_an_unknown_token_target_is_refused_by_the_config(tmp_path):
+    with pytest.raises(SparsedraftError, match="token_target must be one of"):
+        config(tmp_path, "x", token_target="kl")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -22,6 +22,8 @@ from typing import Any
 from ..caches.budget import BUDGETS, SCORINGS, check_budget, check_scoring
 from ..errors import require
 
+TOKEN_TARGETS = ("greedy", "topk")
+
 DEVICES = ("cpu", "cuda")
 # The paper's budgets that a 2K window can train: 2048 would keep a 2K window's whole prefix (no sparsity), and
 # longer windows cost teacher time the hour does not have.
@@ -62,7 +64,10 @@ class FeatureTrainConfig:
     noise: float = field(default=0.1, metadata={
         "help": "uniform noise on the input features, +- noise * their RMS (EAGLE)"})
     feature_weight: float = field(default=1.0, metadata={"help": "weight of the feature regression"})
-    token_weight: float = field(default=1.0, metadata={"help": "weight of the greedy-token cross-entropy"})
+    token_weight: float = field(default=1.0, metadata={"help": "weight of the token cross-entropy"})
+    token_target: str = field(default="greedy", metadata={
+        "help": "what the token loss aims at: the verifier's greedy token, or its cached top-8 distribution "
+                "(topk: distillation)", "choices": TOKEN_TARGETS})
     loss_fraction: float = field(default=0.25, metadata={"help": "entries of each window that get the token loss"})
     lam: float = field(default=0.5, metadata={"help": "weight of the budgeted-view loss L_C (0 = L_A-only ablation)"})
     budgets: tuple[int, ...] = field(default=TRAINABLE_BUDGETS, metadata={
@@ -110,6 +115,8 @@ class FeatureTrainConfig:
         require(0 <= self.step_decay <= 1, f"step_decay must be in [0, 1], got {self.step_decay}")
         require(self.noise >= 0, f"noise must be >= 0, got {self.noise}")
         require(self.embed_gain >= 0, f"embed_gain must be >= 0, got {self.embed_gain}")
+        require(self.token_target in TOKEN_TARGETS,
+                f"token_target must be one of {TOKEN_TARGETS}, got {self.token_target!r}")
         require(self.feature_weight >= 0 and self.token_weight >= 0 and self.feature_weight + self.token_weight > 0,
                 f"feature_weight and token_weight must be >= 0, not both 0; got {self.feature_weight}, "
                 f"{self.token_weight}")

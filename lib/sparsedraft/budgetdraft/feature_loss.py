@@ -167,40 +167,59 @@ def feature_l1(pred: torch.Tensor, target: torch.Tensor, scale: float) -> torch.
     return F.smooth_l1_loss(pred.float() / scale, target.float() / scale)
 
 
-def token_ce(tokens: TokenHead, pred: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the draft's logits at ``pred`` [B, n, H] against the verifier's greedy tokens [B, n]."""
-    ce = F.cross_entropy(tokens.logits(pred).flatten(0, 1).float(), tokens.targets(greedy).flatten(),
-                         ignore_index=-100)
-    return torch.nan_to_num(ce)  # every target outside the draft vocabulary: nothing to learn here
+def token_ce(tokens: TokenHead, pred: torch.Tensor, greedy: torch.Tensor,
+             soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Cross-entropy of the draft's logits at ``pred`` [B, n, H] against the verifier's greedy tokens [B, n], or,
+    with ``soft`` = (top ids, top probabilities) [B, n, K], against the verifier's top-K distribution (renormalised
+    over the ids inside the draft vocabulary: a distillation target that also says how sure the verifier was)."""
+    logits = tokens.logits(pred).float()
+    if soft is None:
+        ce = F.cross_entropy(logits.flatten(0, 1), tokens.targets(greedy).flatten(), ignore_index=-100)
+        return torch.nan_to_num(ce)  # every target outside the draft vocabulary: nothing to learn here
+    index = tokens.targets(soft[0])
+    weight = soft[1].float().nan_to_num(0.0) * (index >= 0)
+    mass = weight.sum(-1, keepdim=True)
+    rows = mass[..., 0] > 0  # positions with some verifier mass inside the draft vocabulary
+    if not bool(rows.any()):
+        return logits.sum() * 0.0
+    picked = logits.log_softmax(-1).gather(-1, index.clamp_min(0))
+    return -((weight / mass.clamp_min(1e-12)) * picked).sum(-1)[rows].mean()
 
 
 def entry_loss(tokens: TokenHead, pred: torch.Tensor, target_features: torch.Tensor, greedy: torch.Tensor,
-               scale: float, feature_weight: float, token_weight: float) -> tuple[torch.Tensor, float, float]:
+               scale: float, feature_weight: float, token_weight: float,
+               soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, float, float]:
     """EAGLE's per-entry pair: (weighted sum, regression, CE)."""
-    feat, ce = feature_l1(pred, target_features, scale), token_ce(tokens, pred, greedy)
+    feat, ce = feature_l1(pred, target_features, scale), token_ce(tokens, pred, greedy, soft)
     return feature_weight * feat + token_weight * ce, feat.item(), ce.item()
 
 
 def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tensor, features: torch.Tensor,
                  greedy: torch.Tensor, draws: Draws, *, scale: float, feature_weight: float, token_weight: float,
                  step_decay: float, unroll_steps: int, lam: float, continuation: int, chunk_size: int,
-                 obs_window: int, scoring: str) -> FeatureLossParts:
-    """L_A (+ lam * L_C) of one window: tokens/greedy [1, T], features [1, T, H] (float)."""
+                 obs_window: int, scoring: str,
+                 soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> FeatureLossParts:
+    """L_A (+ lam * L_C) of one window: tokens/greedy [1, T], features [1, T, H] (float); ``soft`` = the
+    verifier's (top ids, top probabilities) [1, T, K] turns every token loss into one against that distribution."""
+
+    def at(index) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if soft is None else (soft[0][:, index], soft[1][:, index])
+
     sparse = bool(lam) and draws.budget is not None
     capture = Capture(layers={0}) if sparse else None
     outs, view = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture)
     parts: dict[str, float] = {}
     pred0 = outs[0]
     feat0 = feature_l1(pred0, features[:, 1:], scale)  # every entry: the regression needs no head
-    ce0 = token_ce(tokens, pred0[:, draws.ce_positions], greedy[:, draws.ce_positions + 1])
+    ce0 = token_ce(tokens, pred0[:, draws.ce_positions], greedy[:, draws.ce_positions + 1], at(draws.ce_positions + 1))
     loss_a = feature_weight * feat0 + token_weight * ce0
     parts["feat_0"], parts["token_0"] = feat0.item(), ce0.item()
     weights = 1.0
     for j in range(1, unroll_steps + 1):
         weights += step_decay ** j
-        at = draws.starts + j + 1  # what entry starts + j predicts
-        term, parts[f"feat_{j}"], parts[f"token_{j}"] = entry_loss(tokens, outs[j], features[:, at], greedy[:, at],
-                                                                   scale, feature_weight, token_weight)
+        aim = draws.starts + j + 1  # what entry starts + j predicts
+        term, parts[f"feat_{j}"], parts[f"token_{j}"] = entry_loss(tokens, outs[j], features[:, aim], greedy[:, aim],
+                                                                   scale, feature_weight, token_weight, at(aim))
         loss_a = loss_a + step_decay ** j * term
     loss_a = loss_a / weights
     parts["loss_a"] = loss_a.item()
@@ -214,6 +233,6 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
                 BudgetView(view.keys[0], view.values[0], kept))
     loss_c, parts["feat_c"], parts["token_c"] = entry_loss(tokens, pred, features[:, prefix + 1:],
                                                            greedy[:, prefix + 1:], scale, feature_weight,
-                                                           token_weight)
+                                                           token_weight, at(slice(prefix + 1, None)))
     parts["loss_c"] = loss_c.item()
     return FeatureLossParts(loss_a + lam * loss_c, parts)

@@ -131,11 +131,14 @@ def train_step(cfg: FeatureTrainConfig, head: FeatureHead, tokens: TokenHead, op
     window, device = data.train[index], head.device
     move = {"noise": None if draws.noise is None else draws.noise.to(device)}
     draws = Draws(move["noise"], draws.ce_positions.to(device), draws.starts.to(device), draws.budget)
+    soft = None
+    if cfg.token_target == "topk":
+        soft = (window.top_ids[None].to(device), window.top_probs[None].to(device))
     out = feature_loss(head, tokens, window.tokens[None].to(device), window.features[None].to(device).float(),
                        window.greedy[None].to(device), draws, scale=data.scale, feature_weight=cfg.feature_weight,
                        token_weight=cfg.token_weight, step_decay=cfg.step_decay, unroll_steps=cfg.unroll,
                        lam=cfg.lam, continuation=cfg.continuation, chunk_size=cfg.chunk_size,
-                       obs_window=cfg.obs_window, scoring=cfg.scoring)
+                       obs_window=cfg.obs_window, scoring=cfg.scoring, soft=soft)
     out.total.backward()
     if cfg.grad_clip:
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
@@ -200,11 +203,46 @@ def write_curve(run_dir: Path, history: list[dict[str, Any]]) -> None:
         seen += entry.get("tokens", 0)
         if "eval" in entry:
             rows.append({"step": entry["step"], "train_tokens_seen": seen, **entry["eval"]})
+    write_rows(run_dir / CURVE, rows)
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     if rows:
-        with open(run_dir / CURVE, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        with open(path, "w", newline="") as f:
+            names = list(dict.fromkeys(k for row in rows for k in row))  # a parent's curve may measure other budgets
+            writer = csv.DictWriter(f, fieldnames=names)
             writer.writeheader()
             writer.writerows(rows)
+
+
+def read_curve(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``curve.csv`` (numbers as numbers); none if the file is missing."""
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [{k: number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def number(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def continue_curve(parent: list[dict[str, Any]], own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A warm start's curve as the continuation of the curve of the drafter it began from: the parent's rows,
+    then this run's with its steps and training tokens counted on from the parent's last row (this run's step-0
+    row, which measures the parent's final weights again, is left out), so the drafter's curve covers every
+    step that made it."""
+    if not parent:
+        return own
+    last = parent[-1]
+    later = [r for r in own if r["step"] > 0]
+    return parent + [{**r, "step": r["step"] + last["step"],
+                      "train_tokens_seen": r["train_tokens_seen"] + last["train_tokens_seen"]} for r in later]
 
 
 @dataclass
@@ -234,9 +272,10 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     target = target if target is not None else load_model(cfg.verifier, device=cfg.device)
     target.requires_grad_(False)
     tokenizer = tokenizer if tokenizer is not None else model_tokenizer(cfg.verifier)
-    lineage = None
+    lineage, parent_curve = None, []
     if cfg.head_init and saved is None:  # a wrong folder is refused before the teacher data is made
         lineage = started_from(check_feature_drafter(cfg.head_init, target))
+        parent_curve = read_curve(Path(cfg.head_init) / CURVE)  # read now: the export may overwrite the folder
     data = load_feature_data(cfg, target, tokenizer, progress)
     data_seconds = time.time() - began
 
@@ -293,7 +332,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     record["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     drafter = save_feature_head(head, cfg.run_dir / DRAFTER, target, record)
     if (cfg.run_dir / CURVE).is_file():  # the agreement curve travels with the drafter it describes
-        shutil.copy2(cfg.run_dir / CURVE, drafter / CURVE)
+        write_rows(drafter / CURVE, continue_curve(parent_curve, read_curve(cfg.run_dir / CURVE)))
     if cfg.export:
         Path(cfg.export).mkdir(parents=True, exist_ok=True)
         for item in drafter.iterdir():
