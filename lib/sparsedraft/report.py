@@ -22,6 +22,7 @@ everything is only displayed, so a notebook runs the same way in Jupyter.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import numbers
@@ -106,6 +107,24 @@ def save_table(df, name: str, show: bool = True):
     if show:
         _display(df)
     return df
+
+
+def read_table(path: str | Path) -> list[dict[str, Any]]:
+    """A CSV that :func:`save_table` (or any writer) left, as one dict per row, its cells back to Python values:
+    empty / ``None`` -> None, ``True`` / ``False`` -> bool, then int, float, or the text itself."""
+    def value(text: str) -> Any:
+        if text in ("", "None"):
+            return None
+        if text in ("True", "False"):
+            return text == "True"
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+    with open(path, newline="") as f:
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..caches.budget import BUDGETS, SCORINGS, check_budget, check_scoring
 from ..errors import require
+from .feature_data import TOP_K
 
 TOKEN_TARGETS = ("greedy", "topk")
 
@@ -66,8 +67,8 @@ class FeatureTrainConfig:
     feature_weight: float = field(default=1.0, metadata={"help": "weight of the feature regression"})
     token_weight: float = field(default=1.0, metadata={"help": "weight of the token cross-entropy"})
     token_target: str = field(default="greedy", metadata={
-        "help": "what the token loss aims at: the verifier's greedy token, or its cached top-8 distribution "
-                "(topk: distillation)", "choices": TOKEN_TARGETS})
+        "help": f"what the token loss aims at: the verifier's greedy token, or its cached top-{TOP_K} "
+                "distribution (topk: distillation)", "choices": TOKEN_TARGETS})
     loss_fraction: float = field(default=0.25, metadata={"help": "entries of each window that get the token loss"})
     lam: float = field(default=0.5, metadata={"help": "weight of the budgeted-view loss L_C (0 = L_A-only ablation)"})
     budgets: tuple[int, ...] = field(default=TRAINABLE_BUDGETS, metadata={

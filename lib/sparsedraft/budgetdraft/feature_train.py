@@ -37,6 +37,7 @@ from ..engine.model import Transformer
 from ..engine.weights import load_model
 from ..errors import require
 from ..progress import bar, bars_on
+from ..report import read_table
 from ..speculative.feature import FeatureHead, check_feature_drafter, load_feature_head, save_feature_head
 from ..speculative.vocab import frequent_tokens
 from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
@@ -216,20 +217,8 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def read_curve(path: Path) -> list[dict[str, Any]]:
-    """The rows of a ``curve.csv`` (numbers as numbers); none if the file is missing."""
-    if not path.is_file():
-        return []
-    with open(path, newline="") as f:
-        return [{k: number(v) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
-def number(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    """The rows of a ``curve.csv``; none if the file is missing."""
+    return read_table(path) if path.is_file() else []
 
 
 def continue_curve(parent: list[dict[str, Any]], own: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -18,14 +18,13 @@ typed by hand.
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 from typing import Any
 
 from ..bench.record import RESULTS_DIR
 from ..errors import require
-from ..report import METRICS_FILE
+from ..report import METRICS_FILE, read_table
 from .execute import PARAMETERS_FILE, read_record
 from .index import latest_results
 
@@ -36,23 +35,6 @@ NOTEBOOK = "05"
 # What the run holds: the best setting per context and every run of the grid (both required), the level-1 race.
 BEST, RUNS, RACE = "speedup_vs_context.csv", "speedup_vs_context_runs.csv", "level1_race.csv"
 RACE2 = "level2_race.csv"  # TriForce with quantised level-2 weights beside full precision (optional)
-
-
-def _table(path: Path) -> list[dict[str, Any]]:
-    def value(text: str) -> Any:
-        if text in ("", "None"):
-            return None
-        if text in ("True", "False"):
-            return text == "True"
-        try:
-            return int(text)
-        except ValueError:
-            try:
-                return float(text)
-            except ValueError:
-                return text
-    with open(path, newline="") as f:
-        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def _row(method: str, options: dict[str, Any], context: int, run: dict[str, Any], tokens: int) -> dict[str, Any]:
@@ -67,10 +49,10 @@ def curve_rows(folder: Path) -> list[dict[str, Any]]:
     """Per context of notebook 05's run in ``folder``: TriForce's and retrieval's best greedy settings (TriForce
     with the cost model's prediction beside it), then TriForce with the feature drafter at level 1 and with
     quantised level-2 weights (each against plain decoding in its own race)."""
-    best = _table(folder / BEST)
-    runs = [r for r in _table(folder / RUNS) if r["decoding"] == "greedy"]
-    race = _table(folder / RACE) if (folder / RACE).is_file() else []
-    race2 = _table(folder / RACE2) if (folder / RACE2).is_file() else []
+    best = read_table(folder / BEST)
+    runs = [r for r in read_table(folder / RUNS) if r["decoding"] == "greedy"]
+    race = read_table(folder / RACE) if (folder / RACE).is_file() else []
+    race2 = read_table(folder / RACE2) if (folder / RACE2).is_file() else []
     rows = []
     for b in best:
         context, tokens = int(b["context"]), int(b.get("new_tokens") or 0)
