@@ -1,10 +1,14 @@
-"""Shared fixtures: the real model is loaded once per test session (once per xdist worker)."""
+"""Shared fixtures: the real model is loaded once per test session (once per xdist worker); `built` runs a
+kernel test on the native build and on each forced vector path."""
 
 import os
+import warnings
 
 import pytest
 import torch
 
+from sparsedraft.engine import kernels
+from sparsedraft.engine.machine import cpu_flags
 from sparsedraft.errors import SparsedraftError
 
 
@@ -46,3 +50,28 @@ def no_forward(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a forward ran before the input was refused")
     monkeypatch.setattr(Transformer, "forward", refuse)
+
+
+def _forced_paths():
+    """Forced vector paths this CPU runs besides the native build: portable always (in make test), the
+    others where the CPU has them (slow: a build each)."""
+    runnable = [isa for isa in kernels.ISA_FLAGS if kernels.ISA_NEEDS[isa] <= cpu_flags()]
+    return [isa if isa == "portable" else pytest.param(isa, marks=pytest.mark.slow) for isa in runnable]
+
+
+@pytest.fixture(scope="module", params=["auto", *_forced_paths()])
+def built(request):
+    """Every kernel test runs on the native build and again on each forced path (use_isa)."""
+    if not kernels.enabled():
+        pytest.skip("SPARSEDRAFT_KERNELS=0")
+    before = kernels.use_isa(request.param)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if not kernels.available():
+                pytest.skip(f"the C++ kernel does not build here ({request.param}): {kernels._failure}")
+        if request.param != "auto":
+            assert f"SPARSEDRAFT_KERNEL_ISA={request.param}" in kernels.path()
+        yield request.param
+    finally:
+        kernels.use_isa(None if before == "auto" else before)

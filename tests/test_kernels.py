@@ -13,33 +13,7 @@ import torch
 
 from sparsedraft.engine import kernels
 from sparsedraft.engine.cache import causal_mask
-from sparsedraft.engine.machine import cpu_flags
 from sparsedraft.errors import SparsedraftError
-
-
-def _forced_paths():
-    """Forced vector paths this CPU runs besides the native build: portable always (in make test), the
-    others where the CPU has them (slow: a build each)."""
-    runnable = [isa for isa in kernels.ISA_FLAGS if kernels.ISA_NEEDS[isa] <= cpu_flags()]
-    return [isa if isa == "portable" else pytest.param(isa, marks=pytest.mark.slow) for isa in runnable]
-
-
-@pytest.fixture(scope="module", params=["auto", *_forced_paths()])
-def built(request):
-    """Every kernel test runs on the native build and again on each forced path (use_isa)."""
-    if not kernels.enabled():
-        pytest.skip("SPARSEDRAFT_KERNELS=0")
-    before = kernels.use_isa(request.param)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if not kernels.available():
-                pytest.skip(f"the C++ kernel does not build here ({request.param}): {kernels._failure}")
-        if request.param != "auto":
-            assert f"SPARSEDRAFT_KERNEL_ISA={request.param}" in kernels.path()
-        yield request.param
-    finally:
-        kernels.use_isa(None if before == "auto" else before)
 
 
 def _inputs(b, kv, g, t, s, d, dtype, seed=0, q_scale=1.0):

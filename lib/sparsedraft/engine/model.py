@@ -63,6 +63,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_step(x):  # x [B, T, ...]: a decode or verification step's rows, one C++ call
+            return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -110,6 +112,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 KERNEL_MAX_TOKENS = 16  # longest step (gamma + 1 tokens) sent to the C++ kernel; longer ones are prefill chunks
+
+
+def is_step(x: torch.Tensor) -> bool:
+    """Whether ``x`` [B, T, ...] is a decode or verification step (at most :data:`KERNEL_MAX_TOKENS` tokens,
+    CPU, no autograd) whose row-wise operations (RMSNorm, rotary embedding, SiLU-gating) run as one C++ call
+    each (``kernels/step_pointwise.cpp``): torch spends a few microseconds of dispatch per op whatever its
+    size, and a step has ~15 such ops per layer. The rule depends on T alone, as the matmuls' does, so a row
+    gets the same bits in a decode, a verification and a batch; prefill chunks and training keep torch."""
+    return x.dim() >= 3 and x.shape[1] <= KERNEL_MAX_TOKENS and kernels.step_fits(x)
 
 
 def _kernel_fits(q: torch.Tensor, t: int) -> bool:
@@ -218,20 +229,20 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     batch-1 step gives (unless :func:`gemm_batches` asks for speed instead)."""
     if _GEMM_BATCHES.get():
         return layer(x)
-    if isinstance(layer, nn.Linear):
-        weight, scale = layer.weight, None
+    if isinstance(layer, nn.Linear):  # parameters straight from the dict: a decode step makes ~200 calls
+        weight, bias, scale = layer._parameters["weight"], layer._parameters["bias"], None
     elif isinstance(layer, Int8Linear):  # int8 codes and a scale per output row: the same kernel
-        weight, scale = layer.weight_int8, layer.scale
+        weight, bias, scale = layer.weight_int8, layer.bias, layer.scale
     else:  # int4 and bf16 draft layers (quant.py): torch's kernels
         return layer(x)
     rows = x.numel() // x.shape[-1]
     step = kernels.MAX_LINEAR_ROWS
     if rows <= step and kernels.linear_fits(x, weight):
-        return kernels.linear(x, weight, layer.bias, scale)
+        return kernels.linear(x, weight, bias, scale)
     if (step < rows <= EXACT_ROWS and x.dim() == 3 and x.shape[1] <= KERNEL_MAX_TOKENS
             and kernels.linear_fits(x[:1, :1], weight)):  # a batch of steps; prefill chunks keep GEMMs
         flat = x.reshape(rows, x.shape[-1])
-        parts = [kernels.linear(flat[i:i + step], weight, layer.bias, scale) for i in range(0, rows, step)]
+        parts = [kernels.linear(flat[i:i + step], weight, bias, scale) for i in range(0, rows, step)]
         return torch.cat(parts).view(*x.shape[:-1], weight.shape[0])
     return layer(x)
 
@@ -252,14 +263,18 @@ class Attention(nn.Module):
     def forward(self, x, angles, cache: KVCache, capture: Capture | None):
         b, t, _ = x.shape
         cfg = self.cfg
-        q = project(self.q_proj, x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = project(self.k_proj, x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = project(self.q_proj, x).view(b, t, cfg.num_heads, cfg.head_dim)
+        k = project(self.k_proj, x).view(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = project(self.v_proj, x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None:  # per head, over head_dim: [B, T, H, D] as well as [B, H, T, D]
             q, k = self.q_norm(q), self.k_norm(k)
-        q = angles.apply(q)
-        if not cache.keys_prerope:
-            k = angles.apply(k)
+        if is_step(q):
+            q = kernels.rope(q.contiguous(), *angles.rows()).transpose(1, 2)
+            k = k.transpose(1, 2) if cache.keys_prerope else kernels.rope(k.contiguous(), *angles.rows()).transpose(1, 2)
+        else:
+            q, k = angles.apply(q.transpose(1, 2)), k.transpose(1, 2)
+            if not cache.keys_prerope:
+                k = angles.apply(k)
         record = capture is not None and self.layer in capture.layers
         if isinstance(cache, RowCaches):
             require(not (record and capture.weights), "attention weights are not captured over a RowCaches batch")
@@ -282,7 +297,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
+        gate, up = project(self.gate_proj, x), project(self.up_proj, x)
+        gated = kernels.silu_mul(gate.contiguous(), up.contiguous()) if is_step(gate) else F.silu(gate) * up
+        return project(self.down_proj, gated)
 
 
 class Block(nn.Module):

@@ -95,10 +95,17 @@ class Rotary(torch.nn.Module):
 class Angles:
     """cos/sin for a set of positions; ``apply(x)`` rotates [B, H, T, D] tensors."""
 
-    __slots__ = ("cos", "sin")
+    __slots__ = ("cos", "sin", "_rows")
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         self.cos, self.sin = cos, sin
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin as [B, T, head_dim] contiguous: one row per position, what ``kernels.rope`` takes."""
+        if self._rows is None:  # asked by every layer of a forward
+            self._rows = self.cos[:, 0].contiguous(), self.sin[:, 0].contiguous()
+        return self._rows
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2

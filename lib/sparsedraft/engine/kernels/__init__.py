@@ -3,7 +3,8 @@
 ``attend`` is decode / verification attention over a KV cache that reads each cached key and value
 once for a whole GQA group and all T new tokens (see ``decode_attention.cpp`` for why torch's SDPA
 does not); ``linear`` multiplies the few rows of such a step by a weight matrix read once
-(``few_rows_linear.cpp``). Both give each row the same bits whatever the step's length, which is
+(``few_rows_linear.cpp``); ``rms_norm``, ``rope`` and ``silu_mul`` are the row-wise operations between
+them, one call each instead of several torch ops (``step_pointwise.cpp``). All give each row the same bits whatever the step's length, which is
 what keeps speculative greedy output equal to plain greedy output in bf16. It is built with ``torch.utils.cpp_extension.load`` the first time :func:`available` is
 asked, into ``$XDG_CACHE_HOME/sparsedraft/kernels/<hash>`` (``~/.cache`` by default), the hash
 covering the sources, the compiler flags, torch, Python, the compiler and this CPU (``-march=native``
@@ -41,7 +42,7 @@ from ...errors import require
 from ..cpuinfo import cpu_flags, read_cpuinfo
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
-                ("decode_attention.cpp", "few_rows_linear.cpp", "bindings.cpp"))
+                ("decode_attention.cpp", "few_rows_linear.cpp", "step_pointwise.cpp", "bindings.cpp"))
 MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
 LANES = 16  # decode_attention.cpp's kLanes: query rows of a KV head are computed in blocks of this many
 # Steps with at most this many query rows per KV head (a decode's group of g heads, a 2-token step) compute
@@ -168,7 +169,9 @@ def available() -> bool:
     global _module, _failure, _flags
     if not enabled():
         return False
-    if _module is None and _failure is None:
+    if _module is not None:  # asked for every matmul of every step: the answer, without the build's logic
+        return True
+    if _failure is None:
         isa = requested_isa()
         check_isa(isa)
         for flags in FLAG_SETS if isa == "auto" else (ISA_FLAGS[isa],):
@@ -285,21 +288,56 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     runs two rows at a time over two weight rows, whose accumulators fit AVX2's 16 registers, instead of all
     rows at once, which spills there (same bits either way; ``bench.kernel_timing --linear`` times both).
     Call :func:`available` first."""
-    rows = x.reshape(-1, x.shape[-1])
-    require(1 <= rows.shape[0] <= MAX_LINEAR_ROWS,
-            f"kernels.linear takes 1..{MAX_LINEAR_ROWS} rows, got {rows.shape[0]}; use F.linear for more")
-    require((weight.dtype == torch.int8) == (scale is not None),
-            f"kernels.linear takes a scale with int8 weights and only then, got {weight.dtype} and "
-            f"{'a' if scale is not None else 'no'} scale")
-    no_bias = bias if bias is not None else torch.empty(0, dtype=x.dtype)
-    out = (_module.linear(rows.contiguous(), weight, no_bias, paired) if scale is None
-           else _module.linear_int8(rows.contiguous(), weight, scale.float().contiguous(), no_bias, paired))
-    return out.view(*x.shape[:-1], weight.shape[0])
+    # A decode step makes ~200 of these calls: the checks below stay cheap (no message is formatted unless
+    # it is raised, the empty bias is made once), since wrapper time once matched the kernel's on small weights.
+    if not 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_LINEAR_ROWS:
+        require(False, f"kernels.linear takes 1..{MAX_LINEAR_ROWS} rows, got {x.numel() // max(x.shape[-1], 1)}; "
+                       "use F.linear for more")
+    if (weight.dtype == torch.int8) != (scale is not None):
+        require(False, f"kernels.linear takes a scale with int8 weights and only then, got {weight.dtype} and "
+                       f"{'a' if scale is not None else 'no'} scale")
+    if bias is None:
+        bias = _NO_BIAS.get(x.dtype)
+        if bias is None:
+            bias = _NO_BIAS[x.dtype] = torch.empty(0, dtype=x.dtype)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return (_module.linear(x, weight, bias, paired) if scale is None  # out [..., N], x's leading dims
+            else _module.linear_int8(x, weight, scale.float().contiguous(), bias, paired))
+
+
+_NO_BIAS: dict[torch.dtype, torch.Tensor] = {}  # linear's "no bias" argument, one per dtype
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of contiguous x (fp32 or bf16, CPU), Hugging Face's order: normalise
+    in float32, round to x's dtype, times ``weight`` [D] of x's dtype. Each row's bits are independent of the
+    other rows. Call :func:`available` first."""
+    return _module.rms_norm(x, weight, float(eps))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ("rotate half") of contiguous x [..., H, D] with cos, sin [..., D], one row per
+    position of x (x's shape without H): what :meth:`~sparsedraft.engine.rope.Angles.apply` computes on the
+    transposed [B, H, T, D], in float32, rounded once. Call :func:`available` first."""
+    return _module.rope(x, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for contiguous tensors of one shape and dtype, in float32, rounded once. Call
+    :func:`available` first."""
+    return _module.silu_mul(gate, up)
+
+
+def step_fits(x: torch.Tensor) -> bool:
+    """Whether a decode or verification step's row-wise operations on ``x`` run here (:func:`rms_norm`,
+    :func:`rope`, :func:`silu_mul`): CPU, fp32/bf16, no autograd, built."""
+    return x.is_cpu and x.dtype in DTYPES and not (torch.is_grad_enabled() and x.requires_grad) and available()
 
 
 def linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes this step: CPU, fp32/bf16 rows, a contiguous weight of their dtype or int8
     codes, no autograd, few rows, built."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and weight.dtype in (x.dtype, torch.int8)
-            and weight.is_contiguous() and x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS
+    return (x.is_cpu and x.dtype in DTYPES and weight.dtype in (x.dtype, torch.int8)
+            and weight.is_contiguous() and x.numel() <= MAX_LINEAR_ROWS * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and available())

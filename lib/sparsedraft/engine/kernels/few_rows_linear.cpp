@@ -12,7 +12,7 @@
 // of a verification step has, bit for bit, the value the same row gets in a one-row decode step.
 // torch's own kernels give no such promise (fp32 rows differ between M = 1 and M = 8).
 //
-// Layouts: x [M, K] contiguous, w [N, K] contiguous (the Hugging Face layout, nothing repacked),
+// Layouts: x [..., K] (M rows in all) contiguous, w [N, K] contiguous (the Hugging Face layout, nothing repacked),
 // bias [N] or empty, all one dtype (float32 or bfloat16); out [M, N] in that dtype, accumulated in
 // float32 and rounded once.
 
@@ -247,10 +247,10 @@ RowsFn<W> pick(int64_t m, std::integer_sequence<int, Ms...>) {
 // order over k either way, the scale applied once per output after the sum.
 static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
                               bool paired) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
-              "few_rows_linear takes x [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "few_rows_linear takes 1..", kMaxRows, " rows, got ",
-              x.size(0));
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
+              "few_rows_linear takes x [..., K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
+  const int64_t m_len = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1), k_len = x.size(-1), n_len = w.size(0);
+  TORCH_CHECK(m_len >= 1 && m_len <= kMaxRows, "few_rows_linear takes 1..", kMaxRows, " rows, got ", m_len);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "few_rows_linear takes float32 or bfloat16 x");
   const bool codes = w.scalar_type() == at::kChar;
@@ -259,9 +259,10 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
               "few_rows_linear takes w of x's dtype, or int8 w with a float32 scale per output row");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(),
               "few_rows_linear takes CPU tensors and a contiguous weight");
-  const int64_t m_len = x.size(0), k_len = x.size(1), n_len = w.size(0);
+  auto out_sizes = x.sizes().vec();  // x's leading dims, then N: the caller reshapes nothing
+  out_sizes.back() = n_len;
   auto xf = x.to(at::kFloat).contiguous();
-  auto yf = at::empty({m_len, n_len}, x.options().dtype(at::kFloat));
+  auto yf = at::empty(out_sizes, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
   float* yp = yf.data_ptr<float>();
   const auto ms = std::make_integer_sequence<int, kMaxRows>{};
@@ -281,7 +282,7 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
     yf.add_(bias.to(at::kFloat));  // after the sum, in float32: the same for every M
   }
   if (x.scalar_type() == at::kFloat) return yf;
-  auto out = at::empty({m_len, n_len}, x.options());
+  auto out = at::empty(out_sizes, x.options());
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < m_len * n_len; ++i) op[i] = float_to_bf16(yp[i]);
   return out;

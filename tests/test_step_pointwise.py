@@ -1,0 +1,105 @@
+"""The C++ row-wise step operations (RMSNorm, rotary embedding, SiLU-gating) against the torch forms they
+stand in for, their bitwise row independence, and the rule that sends a forward to them (steps of at
+most 16 tokens, never prefill chunks or training)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparsedraft import load_model
+from sparsedraft.engine import kernels
+from sparsedraft.engine import model as engine
+from sparsedraft.engine.config import ModelConfig
+from sparsedraft.engine.rope import Rotary
+
+TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _torch_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 70, 576])
+def test_rms_norm_matches_torch_and_rows_are_independent(built, dtype, dim):
+    gen = torch.Generator().manual_seed(dim)
+    x = (torch.randn(2, 7, dim, generator=gen) * 3).to(dtype)
+    weight = (1 + torch.randn(dim, generator=gen) / 4).to(dtype)
+    out = kernels.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out.float(), _torch_norm(x, weight, 1e-5).float(), **TOLERANCE[dtype])
+    alone = torch.stack([torch.cat([kernels.rms_norm(x[b, t:t + 1], weight, 1e-5) for t in range(7)])
+                         for b in range(2)])
+    assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_angles_apply_and_rows_are_independent(built, dtype):
+    cfg = ModelConfig(family="llama", vocab_size=32, hidden_size=96, intermediate_size=64, num_layers=1, num_heads=3,
+                      num_kv_heads=1, head_dim=32, rope_theta=10000.0, max_position_embeddings=4096,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
+    positions = torch.tensor([[5, 6, 7, 900], [0, 1, 2, 3]])
+    angles = Rotary(cfg).angles(positions, dtype)
+    x = torch.randn(2, 4, 3, 32, generator=torch.Generator().manual_seed(3)).to(dtype)  # [B, T, H, D]
+    out = kernels.rope(x, *angles.rows())
+    expected = angles.apply(x.transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+    cos, sin = angles.rows()
+    alone = torch.cat([kernels.rope(x[:, t:t + 1].contiguous(), cos[:, t:t + 1].contiguous(),
+                                    sin[:, t:t + 1].contiguous()) for t in range(4)], 1)
+    assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(built, dtype):
+    gen = torch.Generator().manual_seed(4)
+    gate, up = (torch.randn(3, 5, 1536, generator=gen) * 4).to(dtype), torch.randn(3, 5, 1536, generator=gen).to(dtype)
+    torch.testing.assert_close(kernels.silu_mul(gate, up).float(), (F.silu(gate) * up).float(), **TOLERANCE[dtype])
+
+
+def test_bad_inputs_are_refused(built):
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="weight \\[64\\]"):
+        kernels.rms_norm(x, torch.ones(63), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.rms_norm(torch.randn(64, 4).t(), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="one row of D"):
+        kernels.rope(torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8))
+    with pytest.raises(RuntimeError, match="one shape and dtype"):
+        kernels.silu_mul(torch.randn(2, 3), torch.randn(2, 4))
+
+
+def _calls(monkeypatch):
+    seen = []
+    for name in ("rms_norm", "rope", "silu_mul"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: seen.append(_name) or _real(*a))
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_steps_take_the_kernels_and_agree_with_the_torch_forms(built, family, monkeypatch):
+    model = load_model(f"tiny-{family}")
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        cache = model.new_cache(64, batch=2)
+        model(tokens[:, :33], cache=cache)
+        seen = _calls(monkeypatch)
+        step = model(tokens[:, 33:], cache=cache)  # 7 tokens: a verification
+        assert {"rms_norm", "rope", "silu_mul"} <= set(seen)
+        cache.rollback(7)
+        monkeypatch.setattr(engine, "is_step", lambda x: False)
+        torch_step = model(tokens[:, 33:], cache=cache)
+    torch.testing.assert_close(step, torch_step, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_chunks_and_training_keep_torch(built, monkeypatch):
+    model = load_model("tiny-llama")
+    seen = _calls(monkeypatch)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 40))
+    with torch.inference_mode():
+        model(tokens, cache=model.new_cache(64))  # one 40-token chunk
+    assert seen == []
+    model(tokens[:, :5]).sum().backward()  # autograd: torch's ops, which it can differentiate
+    assert seen == [] and model.layers[0].input_layernorm.weight.grad is not None
+
