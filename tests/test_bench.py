@@ -231,3 +231,34 @@ def test_linear_kernel_timing_refuses_bad_step_sizes_before_building_the_kernel(
     monkeypatch.setattr(kernel_timing, "available", lambda: pytest.fail("built the kernel"))
     with pytest.raises(SparsedraftError, match="--linear takes step sizes in 1..16"):
         kernel_timing.main(["--linear", "17"])
+
+
+
+def test_step_ops_bench_times_both_forms_and_only_the_on_runs_reach_the_kernels(monkeypatch):
+    """bench.step_ops: a row per op and form; a row per step length with both timings, where every 'on'
+    forward (2 warm-up + 2 timed per length) calls the RMSNorm kernel once per norm and no 'off' one does."""
+    from sparsedraft.bench import step_ops
+    from sparsedraft.engine import kernels
+    if not kernels.available():
+        pytest.skip("the C++ kernels do not build here")
+    ops = step_ops.time_ops(repeats=1, calls=3)
+    assert {(r["op"], r["form"]) for r in ops} == {(op, form) for op in ("rms_norm", "rope", "silu_mul")
+                                                   for form in ("torch", "kernel")}
+    assert all(r["us"] > 0 for r in ops)
+    calls = []
+    real = kernels.rms_norm
+    monkeypatch.setattr(kernels, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    steps = step_ops.time_steps("tiny-llama", context=40, tokens=(1, 3), repeats=2)
+    assert [(r["tokens"], r["context"]) for r in steps] == [(1, 40), (3, 40)]
+    assert all(r["kernels_ms"] > 0 and r["torch_ops_ms"] > 0 for r in steps)
+    layers = sparsedraft.engine.weights.load_model("tiny-llama").cfg.num_layers
+    assert len(calls) == 2 * (2 + 2) * (2 * layers + 1)
+
+
+def test_step_ops_bench_refuses_bad_flags_before_loading_a_model(monkeypatch):
+    from sparsedraft.bench import step_ops
+    monkeypatch.setattr(step_ops, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(SparsedraftError, match="--tokens takes step lengths in 1..16"):
+        step_ops.main(["--tokens", "17"])
+    with pytest.raises(SparsedraftError, match="--record takes a .json path"):
+        step_ops.main(["--record", "out.txt"])

@@ -1,0 +1,123 @@
+"""What the C++ row-wise step operations buy: each operation (RMSNorm, rotary embedding, SiLU-gating) on
+SmolLM2-135M's shapes in torch's form and as the kernel, then a whole SmolLM2 decode and verification step
+with them on and off (``model.is_step`` forced false), interleaved in one process.
+
+Why a bench: on a 2-core CPU a torch op costs microseconds of dispatch whatever its size, and a decode step
+runs ~15 of them per layer around its matmuls; this is the figure that says how much of a step that was.
+Not a test (a test never asserts a wall-clock time): ``python -m sparsedraft.bench.step_ops``. Prints a
+table, then one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from ..engine import kernels
+from ..engine import model as engine
+from ..engine.cpuinfo import cpu_flags
+from ..engine.machine import best_isa, provenance
+from ..engine.rope import Angles
+from ..engine.weights import load_model
+from ..errors import require
+from .ar import random_cache
+from .record import write_module_record
+from .timing import interleaved_runs, median_ms
+
+
+def _us(fn, calls: int) -> float:
+    def timed():
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - start
+    return timed
+
+
+def time_ops(repeats: int = 5, calls: int = 2000) -> list[dict]:
+    """Median µs per call of each row-wise op on one decode row of SmolLM2-135M, torch form vs kernel."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(1, 1, 576, generator=gen), torch.ones(576)
+    q = torch.randn(1, 1, 9, 64, generator=gen)  # [B, T, H, D], as the step has it before the transpose
+    angles = Angles(torch.randn(1, 1, 1, 64, generator=gen), torch.randn(1, 1, 1, 64, generator=gen))
+    gate, up = torch.randn(1, 1, 1536, generator=gen), torch.randn(1, 1, 1536, generator=gen)
+    pairs = {"rms_norm": (lambda: engine.rms_norm(x, weight, 1e-5), lambda: kernels.rms_norm(x, weight, 1e-5)),
+             "rope": (lambda: angles.apply(q.transpose(1, 2)), lambda: kernels.rope(q, *angles.rows())),
+             "silu_mul": (lambda: F.silu(gate) * up, lambda: kernels.silu_mul(gate, up))}
+    runners = {f"{op} {form}": _us(fn, calls) for op, (torch_fn, kernel_fn) in pairs.items()
+               for form, fn in (("torch", torch_fn), ("kernel", kernel_fn))}
+    with torch.inference_mode():
+        runs = interleaved_runs(runners, 1, repeats)
+    return [{"op": name.split()[0], "form": name.split()[1], "us": round(median_ms(s) * 1000 / calls, 2)}
+            for name, s in runs.items()]
+
+
+def time_steps(model: str = "smollm2-135m", context: int = 512, tokens: tuple[int, ...] = (1, 7),
+               repeats: int = 9) -> list[dict]:
+    """Median ms of a step of each length over a cache of ``context`` random keys and values (the work
+    does not depend on the values, so no prefill), step kernels on and off."""
+    target = load_model(model).eval()
+    cache = random_cache(target, context, max(tokens))
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    with torch.inference_mode():
+        for t in tokens:
+            new = torch.randint(0, target.cfg.vocab_size, (1, t), generator=gen)
+
+            def step(on: bool):
+                def timed():
+                    cache.length = context
+                    with mock.patch.object(engine, "is_step", engine.is_step if on else (lambda x: False)):
+                        start = time.perf_counter()
+                        target(new, cache=cache, last_only=True)
+                        return time.perf_counter() - start
+                return timed
+
+            runs = interleaved_runs({"on": step(True), "off": step(False)}, 2, repeats)
+            on, off = median_ms(runs["on"]), median_ms(runs["off"])
+            rows.append({"model": model, "context": context, "tokens": t, "kernels_ms": round(on, 2),
+                         "torch_ops_ms": round(off, 2), "saved": round(1 - on / off, 3)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--context", type=int, default=512, help="cached tokens under the timed steps")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 7], help="step lengths (1: a decode)")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--record", default="", metavar="PATH.json",
+                        help="also write the rows as a results record (docs/results/) with the read bandwidth, ISA "
+                             "and commit")
+    args = parser.parse_args(argv)
+    require(not args.record or args.record.endswith(".json"), f"--record takes a .json path, got {args.record!r}")
+    require(all(1 <= t <= engine.KERNEL_MAX_TOKENS for t in args.tokens),
+            f"--tokens takes step lengths in 1..{engine.KERNEL_MAX_TOKENS}, got {args.tokens}")
+    require(args.context >= 8, f"--context must be at least 8 tokens, got {args.context}")
+    if not kernels.available():
+        raise SystemExit("the C++ kernels are unavailable here; nothing to time")
+    started = provenance()
+    ops = time_ops()
+    steps = time_steps(args.model, args.context, tuple(args.tokens), args.repeats)
+    print(f"kernels: {kernels.path()}, {torch.get_num_threads()} threads")
+    for row in ops:
+        print(f"{row['op']:>9} {row['form']:>7} {row['us']:>8.1f} us")
+    for row in steps:
+        print(f"{row['model']} step of {row['tokens']} at {row['context']}: {row['kernels_ms']:.1f} ms with the "
+              f"kernels, {row['torch_ops_ms']:.1f} ms with torch's ops ({100 * row['saved']:.0f}% saved)")
+    result = {"bench": "step_ops", "isa": best_isa(cpu_flags()), "kernels": kernels.path(),
+              "threads": torch.get_num_threads(), "ops": ops, "steps": steps}
+    if args.record:
+        print(f"record written to {write_module_record(args.record, 'step_ops', argv, result, started)}",
+              file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
