@@ -1,10 +1,9 @@
-"""The C++ row-wise step operations (RMSNorm, rotary embedding, SiLU-gating) against the torch forms they
+"""The C++ row-wise step operations (RMSNorm, rotary embedding) against the torch forms they
 stand in for, their bitwise row independence, and the rule that sends a forward to them (steps of at
 most 16 tokens, never prefill chunks or training)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sparsedraft import load_model
 from sparsedraft.engine import kernels
@@ -45,13 +44,6 @@ def test_rope_matches_angles_apply_and_rows_are_independent(built, dtype):
     assert torch.equal(out, alone)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_torch(built, dtype):
-    gen = torch.Generator().manual_seed(4)
-    gate, up = (torch.randn(3, 5, 1536, generator=gen) * 4).to(dtype), torch.randn(3, 5, 1536, generator=gen).to(dtype)
-    torch.testing.assert_close(kernels.silu_mul(gate, up).float(), (F.silu(gate) * up).float(), **TOLERANCE[dtype])
-
-
 def test_bad_inputs_are_refused(built):
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="weight \\[64\\]"):
@@ -60,13 +52,11 @@ def test_bad_inputs_are_refused(built):
         kernels.rms_norm(torch.randn(64, 4).t(), torch.ones(4), 1e-5)
     with pytest.raises(RuntimeError, match="one row of D"):
         kernels.rope(torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8))
-    with pytest.raises(RuntimeError, match="one shape and dtype"):
-        kernels.silu_mul(torch.randn(2, 3), torch.randn(2, 4))
 
 
 def _calls(monkeypatch):
     seen = []
-    for name in ("rms_norm", "rope", "silu_mul"):
+    for name in ("rms_norm", "rope"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: seen.append(_name) or _real(*a))
     return seen
@@ -81,7 +71,7 @@ def test_steps_take_the_kernels_and_agree_with_the_torch_forms(built, family, mo
         model(tokens[:, :33], cache=cache)
         seen = _calls(monkeypatch)
         step = model(tokens[:, 33:], cache=cache)  # 7 tokens: a verification
-        assert {"rms_norm", "rope", "silu_mul"} <= set(seen)
+        assert {"rms_norm", "rope"} <= set(seen)
         cache.rollback(7)
         monkeypatch.setattr(engine, "is_step", lambda x: False)
         torch_step = model(tokens[:, 33:], cache=cache)

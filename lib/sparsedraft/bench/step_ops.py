@@ -1,4 +1,4 @@
-"""What the C++ row-wise step operations buy: each operation (RMSNorm, rotary embedding, SiLU-gating) on
+"""What the C++ row-wise step operations buy: each operation (RMSNorm, rotary embedding) on
 SmolLM2-135M's shapes in torch's form and as the kernel, then a whole SmolLM2 decode and verification step
 with them on and off (``model.is_step`` forced false), interleaved in one process.
 
@@ -17,7 +17,6 @@ import time
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 from ..engine import kernels
 from ..engine import model as engine
@@ -46,10 +45,8 @@ def time_ops(repeats: int = 5, calls: int = 2000) -> list[dict]:
     x, weight = torch.randn(1, 1, 576, generator=gen), torch.ones(576)
     q = torch.randn(1, 1, 9, 64, generator=gen)  # [B, T, H, D], as the step has it before the transpose
     angles = Angles(torch.randn(1, 1, 1, 64, generator=gen), torch.randn(1, 1, 1, 64, generator=gen))
-    gate, up = torch.randn(1, 1, 1536, generator=gen), torch.randn(1, 1, 1536, generator=gen)
     pairs = {"rms_norm": (lambda: engine.rms_norm(x, weight, 1e-5), lambda: kernels.rms_norm(x, weight, 1e-5)),
-             "rope": (lambda: angles.apply(q.transpose(1, 2)), lambda: kernels.rope(q, *angles.rows())),
-             "silu_mul": (lambda: F.silu(gate) * up, lambda: kernels.silu_mul(gate, up))}
+             "rope": (lambda: angles.apply(q.transpose(1, 2)), lambda: kernels.rope(q, *angles.rows()))}
     runners = {f"{op} {form}": _us(fn, calls) for op, (torch_fn, kernel_fn) in pairs.items()
                for form, fn in (("torch", torch_fn), ("kernel", kernel_fn))}
     with torch.inference_mode():

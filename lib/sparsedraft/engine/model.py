@@ -121,9 +121,9 @@ KERNEL_MAX_TOKENS = 16  # longest step (gamma + 1 tokens) sent to the C++ kernel
 
 def is_step(x: torch.Tensor) -> bool:
     """Whether ``x`` [B, T, ...] is a decode or verification step (at most :data:`KERNEL_MAX_TOKENS` tokens,
-    CPU, no autograd) whose row-wise operations (RMSNorm, rotary embedding, SiLU-gating) run as one C++ call
-    each (``kernels/step_pointwise.cpp``): torch spends a few microseconds of dispatch per op whatever its
-    size, and a step has ~15 such ops per layer. The rule depends on T alone, as the matmuls' does, so a row
+    CPU, no autograd) whose RMSNorms and rotary embeddings run as one C++ call each
+    (``kernels/step_pointwise.cpp``): torch spends microseconds of dispatch per op whatever its size, and
+    those are ~13 ops per layer (``python -m sparsedraft.bench.step_ops`` times both forms). The rule depends on T alone, as the matmuls' does, so a row
     gets the same bits in a decode, a verification and a batch; prefill chunks and training keep torch."""
     return x.dim() >= 3 and x.shape[1] <= KERNEL_MAX_TOKENS and kernels.step_fits(x)
 
@@ -302,9 +302,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = project(self.gate_proj, x), project(self.up_proj, x)
-        gated = kernels.silu_mul(gate.contiguous(), up.contiguous()) if is_step(gate) else F.silu(gate) * up
-        return project(self.down_proj, gated)
+        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class Block(nn.Module):

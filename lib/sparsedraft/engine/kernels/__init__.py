@@ -3,7 +3,7 @@
 ``attend`` is decode / verification attention over a KV cache that reads each cached key and value
 once for a whole GQA group and all T new tokens (see ``decode_attention.cpp`` for why torch's SDPA
 does not); ``linear`` multiplies the few rows of such a step by a weight matrix read once
-(``few_rows_linear.cpp``); ``rms_norm``, ``rope`` and ``silu_mul`` are the row-wise operations between
+(``few_rows_linear.cpp``); ``rms_norm`` and ``rope`` are row-wise operations between
 them, one call each instead of several torch ops (``step_pointwise.cpp``). All give each row the same bits whatever the step's length, which is
 what keeps speculative greedy output equal to plain greedy output in bf16. It is built with ``torch.utils.cpp_extension.load`` the first time :func:`available` is
 asked, into ``$XDG_CACHE_HOME/sparsedraft/kernels/<hash>`` (``~/.cache`` by default), the hash
@@ -323,15 +323,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return _module.rope(x, cos, sin)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for contiguous tensors of one shape and dtype, in float32, rounded once. Call
-    :func:`available` first."""
-    return _module.silu_mul(gate, up)
-
-
 def step_fits(x: torch.Tensor) -> bool:
     """Whether a decode or verification step's row-wise operations on ``x`` run here (:func:`rms_norm`,
-    :func:`rope`, :func:`silu_mul`): CPU, fp32/bf16, no autograd, built."""
+    :func:`rope`): CPU, fp32/bf16, no autograd, built."""
     return x.is_cpu and x.dtype in DTYPES and not (torch.is_grad_enabled() and x.requires_grad) and available()
 
 

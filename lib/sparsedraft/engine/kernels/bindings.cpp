@@ -11,7 +11,6 @@ at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, co
                                 const at::Tensor& bias, bool paired);
 at::Tensor step_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor step_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor step_silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
 // The widest vector instruction set the compiler was allowed to use for these files (what -march
 // turned on), so a bench can say which path ran rather than which one the CPU offers.
@@ -39,5 +38,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &few_rows_linear_int8, "(x Q^T) * scale (+ b) for 1..16 rows over int8 codes Q");
   m.def("rms_norm", &step_rms_norm, "RMSNorm of each row, Hugging Face's order (step_pointwise.cpp)");
   m.def("rope", &step_rope, "rotary embedding of x [..., H, D] by cos, sin [..., D] (step_pointwise.cpp)");
-  m.def("silu_mul", &step_silu_mul, "silu(gate) * up, elementwise (step_pointwise.cpp)");
 }

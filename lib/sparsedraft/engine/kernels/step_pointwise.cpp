@@ -1,10 +1,10 @@
-// The small row-wise operations between a decode step's matmuls: RMSNorm, rotary embedding, SiLU-gating.
+// The small row-wise operations between a decode step's matmuls: RMSNorm and the rotary embedding.
 //
 // Why: in a decode step of SmolLM2 each of these is a handful of torch ops on a few hundred values, and
 // on a 2-core CPU each torch op costs microseconds of dispatch whatever its size: the Python RMSNorm took
-// ~66 us for one 576-wide row, the rotary embedding ~35 us per tensor, SiLU-gating ~30 us: together
-// ~7 ms of a 66 ms decode at 512 tokens (2026-12-05, 2-core AVX2+FMA EPYC). Here each is one call that
-// touches its values once.
+// tens of microseconds for one 576-wide row, as did the rotary embedding per tensor, against a few here
+// (python -m sparsedraft.bench.step_ops times both forms and a whole step, docs/results/step-ops.json).
+// SiLU-gating stays torch's: its two vectorised ops were as fast as a scalar-exp loop here.
 //
 // Exactness: every output row is one fixed sequence of operations over its own inputs, whatever the
 // number of rows (the build turns off floating-point contraction and never reassociates), so a row of a
@@ -89,17 +89,6 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t positions, 
   });
 }
 
-// silu(gate) * up = gate / (1 + exp(-gate)) * up, elementwise, in float32, rounded once.
-template <typename T>
-void silu_mul_rows(const T* gate, const T* up, T* y, int64_t n) {
-  at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float g = to_float(gate[i]);
-      y[i] = from_float<T>(g / (1.0f + std::exp(-g)) * to_float(up[i]));
-    }
-  });
-}
-
 }  // namespace
 
 at::Tensor step_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -137,19 +126,5 @@ at::Tensor step_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   else
     rope_rows(x.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(),
               y.data_ptr<at::BFloat16>(), positions, heads, dim);
-  return y;
-}
-
-at::Tensor step_silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  check_rows(gate, "silu_mul");
-  check_rows(up, "silu_mul");
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
-              "silu_mul takes gate and up of one shape and dtype, got ", gate.sizes(), " and ", up.sizes());
-  auto y = at::empty_like(gate);
-  if (gate.scalar_type() == at::kFloat)
-    silu_mul_rows(gate.data_ptr<float>(), up.data_ptr<float>(), y.data_ptr<float>(), gate.numel());
-  else
-    silu_mul_rows(gate.data_ptr<at::BFloat16>(), up.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(),
-                  gate.numel());
   return y;
 }
