@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['model']} step of {row['tokens']} at {row['context']}: {row['kernels_ms']:.1f} ms with the "
               f"kernels, {row['torch_ops_ms']:.1f} ms with torch's ops ({100 * row['saved']:.0f}% saved)")
     result = {"bench": "step_ops", "isa": best_isa(cpu_flags()), "kernels": kernels.path(),
-              "threads": torch.get_num_threads(), "ops": ops, "steps": steps}
+              "threads": torch.get_num_threads(), "ops": ops, "rows": steps}
     if args.record:
         print(f"record written to {write_module_record(args.record, 'step_ops', argv, result, started)}",
               file=sys.stderr)
