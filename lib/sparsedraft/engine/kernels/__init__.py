@@ -206,16 +206,16 @@ def path() -> str:
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> None:
     require(q.dim() == 4 and k.dim() == 4 and k.shape == v.shape,
-            f"attend takes q [B, KV, rows, D] and k, v [B, KV, S, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+            lambda: f"attend takes q [B, KV, rows, D] and k, v [B, KV, S, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
             f"{tuple(v.shape)}")
     b, kv, rows, d = q.shape
     require(k.shape[0] == b and k.shape[1] == kv and k.shape[3] == d,
-            f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch, kv heads or head_dim")
-    require(t >= 1 and rows % t == 0, f"T must be >= 1 and divide q's {rows} rows (g * T), got T={t}")
-    require(k.shape[2] >= t, f"S={k.shape[2]} keys cannot hold T={t} new tokens; S must be >= T")
+            lambda: f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} in batch, kv heads or head_dim")
+    require(t >= 1 and rows % t == 0, lambda: f"T must be >= 1 and divide q's {rows} rows (g * T), got T={t}")
+    require(k.shape[2] >= t, lambda: f"S={k.shape[2]} keys cannot hold T={t} new tokens; S must be >= T")
     require(q.dtype == k.dtype == v.dtype and q.dtype in DTYPES,
-            f"attend takes float32 or bfloat16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    require(q.device.type == k.device.type == v.device.type == "cpu", "attend runs on CPU tensors only")
+            lambda: f"attend takes float32 or bfloat16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    require(q.is_cpu and k.is_cpu and v.is_cpu, "attend runs on CPU tensors only")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: int,
@@ -229,8 +229,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: i
     :func:`available` first."""
     _check(q, k, v, t)
     require(k.stride(3) == 1 and v.stride(3) == 1 and k.stride(2) == k.shape[3] and v.stride(2) == v.shape[3],
-            f"k/v need contiguous rows with consecutive keys head_dim apart, got strides {k.stride()}, "
-            f"{v.stride()}; slice a [B, KV, max_len, D] buffer along S")
+            lambda: f"k/v need contiguous rows with consecutive keys head_dim apart, got strides {k.stride()}, "
+                    f"{v.stride()}; slice a [B, KV, max_len, D] buffer along S")
     if not available():
         reason = _failure if enabled() else "SPARSEDRAFT_KERNELS=0"
         raise RuntimeError(f"the C++ attention kernel is unavailable ({reason}); check kernels.available() first")
