@@ -4,7 +4,6 @@ Callers catch :class:`SparsedraftError` (a ``ValueError``) and read a message
 that names the problem and the fix; we raise it before any heavy work.
 """
 
-
 from collections.abc import Callable
 
 

@@ -3,7 +3,7 @@ SmolLM2-135M's shapes in torch's form and as the kernel, then a whole SmolLM2 de
 with them on and off (``model.is_step`` forced false), interleaved in one process.
 
 Why a bench: on a 2-core CPU a torch op costs microseconds of dispatch whatever its size, and a decode step
-runs ~15 of them per layer around its matmuls; this is the figure that says how much of a step that was.
+runs ~13 of them per layer around its matmuls; this is the figure that says how much of a step that was.
 Not a test (a test never asserts a wall-clock time): ``python -m sparsedraft.bench.step_ops``. Prints a
 table, then one JSON object as the last line.
 """
@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from unittest import mock
 
 import torch
@@ -30,7 +31,8 @@ from .record import write_module_record
 from .timing import interleaved_runs, median_ms
 
 
-def _us(fn, calls: int) -> float:
+def _us(fn, calls: int) -> Callable[[], float]:
+    """A runner for :func:`interleaved_runs`: seconds for ``calls`` calls of ``fn``."""
     def timed():
         start = time.perf_counter()
         for _ in range(calls):

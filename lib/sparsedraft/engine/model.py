@@ -123,15 +123,16 @@ def is_step(x: torch.Tensor) -> bool:
     """Whether ``x`` [B, T, ...] is a decode or verification step (at most :data:`KERNEL_MAX_TOKENS` tokens,
     CPU, no autograd) whose RMSNorms and rotary embeddings run as one C++ call each
     (``kernels/step_pointwise.cpp``): torch spends microseconds of dispatch per op whatever its size, and
-    those are ~13 ops per layer (``python -m sparsedraft.bench.step_ops`` times both forms). The rule depends on T alone, as the matmuls' does, so a row
-    gets the same bits in a decode, a verification and a batch; prefill chunks and training keep torch."""
-    return x.dim() >= 3 and x.shape[1] <= KERNEL_MAX_TOKENS and kernels.step_fits(x)
+    those are ~13 ops per layer (``python -m sparsedraft.bench.step_ops`` times both forms). The rule
+    depends on T alone, as the matmuls' and attention's do (:func:`_kernel_fits`), so a row gets the same
+    bits in a decode, a verification and a batch; prefill chunks and training keep torch."""
+    return x.dim() >= 3 and _kernel_fits(x, x.shape[1])
 
 
 def _kernel_fits(q: torch.Tensor, t: int) -> bool:
-    """A step the C++ kernel takes: CPU, fp32/bf16, no autograd, at most KERNEL_MAX_TOKENS new tokens."""
-    return (q.device.type == "cpu" and t <= KERNEL_MAX_TOKENS and q.dtype in kernels.DTYPES
-            and not (torch.is_grad_enabled() and q.requires_grad) and kernels.available())
+    """A step the C++ kernels take: at most KERNEL_MAX_TOKENS new tokens, and ``kernels.step_fits`` (CPU,
+    fp32/bf16, no autograd, built)."""
+    return t <= KERNEL_MAX_TOKENS and kernels.step_fits(q)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | tuple[int, int] | None,
@@ -273,9 +274,10 @@ class Attention(nn.Module):
         v = project(self.v_proj, x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         if self.q_norm is not None:  # per head, over head_dim: [B, T, H, D] as well as [B, H, T, D]
             q, k = self.q_norm(q), self.k_norm(k)
-        if is_step(q):
-            q = kernels.rope(q.contiguous(), *angles.rows()).transpose(1, 2)
-            k = k.transpose(1, 2) if cache.keys_prerope else kernels.rope(k.contiguous(), *angles.rows()).transpose(1, 2)
+        if is_step(q):  # rotate [B, T, H, D] rows in C++, then transpose
+            cos, sin = angles.rows()
+            q = kernels.rope(q.contiguous(), cos, sin).transpose(1, 2)
+            k = (k if cache.keys_prerope else kernels.rope(k.contiguous(), cos, sin)).transpose(1, 2)
         else:
             q, k = angles.apply(q.transpose(1, 2)), k.transpose(1, 2)
             if not cache.keys_prerope:

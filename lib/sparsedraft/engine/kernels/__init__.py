@@ -3,9 +3,10 @@
 ``attend`` is decode / verification attention over a KV cache that reads each cached key and value
 once for a whole GQA group and all T new tokens (see ``decode_attention.cpp`` for why torch's SDPA
 does not); ``linear`` multiplies the few rows of such a step by a weight matrix read once
-(``few_rows_linear.cpp``); ``rms_norm`` and ``rope`` are row-wise operations between
-them, one call each instead of several torch ops (``step_pointwise.cpp``). All give each row the same bits whatever the step's length, which is
-what keeps speculative greedy output equal to plain greedy output in bf16. It is built with ``torch.utils.cpp_extension.load`` the first time :func:`available` is
+(``few_rows_linear.cpp``); ``rms_norm`` and ``rope`` are the row-wise operations between them, one
+call each instead of several torch ops (``step_pointwise.cpp``). All give each row the same bits
+whatever the step's length, which is what keeps speculative greedy output equal to plain greedy output
+in bf16. It is built with ``torch.utils.cpp_extension.load`` the first time :func:`available` is
 asked, into ``$XDG_CACHE_HOME/sparsedraft/kernels/<hash>`` (``~/.cache`` by default), the hash
 covering the sources, the compiler flags, torch, Python, the compiler and this CPU (``-march=native``
 code must not run on another CPU that shares the home folder). A machine without a compiler or ninja
@@ -288,14 +289,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     runs two rows at a time over two weight rows, whose accumulators fit AVX2's 16 registers, instead of all
     rows at once, which spills there (same bits either way; ``bench.kernel_timing --linear`` times both).
     Call :func:`available` first."""
-    # A decode step makes ~200 of these calls: the checks below stay cheap (no message is formatted unless
-    # it is raised, the empty bias is made once), since wrapper time once matched the kernel's on small weights.
-    if not 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_LINEAR_ROWS:
-        require(False, f"kernels.linear takes 1..{MAX_LINEAR_ROWS} rows, got {x.numel() // max(x.shape[-1], 1)}; "
-                       "use F.linear for more")
-    if (weight.dtype == torch.int8) != (scale is not None):
-        require(False, f"kernels.linear takes a scale with int8 weights and only then, got {weight.dtype} and "
-                       f"{'a' if scale is not None else 'no'} scale")
+    # A decode step makes ~200 of these calls: the checks stay cheap (messages built only when raised, the
+    # empty bias made once), since wrapper time once matched the kernel's on small weights.
+    rows = x.numel() // max(x.shape[-1], 1)
+    require(1 <= rows <= MAX_LINEAR_ROWS,
+            lambda: f"kernels.linear takes 1..{MAX_LINEAR_ROWS} rows, got {rows}; use F.linear for more")
+    require((weight.dtype == torch.int8) == (scale is not None),
+            lambda: f"kernels.linear takes a scale with int8 weights and only then, got {weight.dtype} and "
+                    f"{'a' if scale is not None else 'no'} scale")
     if bias is None:
         bias = _NO_BIAS.get(x.dtype)
         if bias is None:
@@ -324,14 +325,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def step_fits(x: torch.Tensor) -> bool:
-    """Whether a decode or verification step's row-wise operations on ``x`` run here (:func:`rms_norm`,
-    :func:`rope`): CPU, fp32/bf16, no autograd, built."""
+    """Whether the kernels take a step's tensor ``x``: CPU, fp32/bf16, no autograd, built (what every kernel
+    asks; :func:`linear_fits` adds the weight's conditions)."""
     return x.is_cpu and x.dtype in DTYPES and not (torch.is_grad_enabled() and x.requires_grad) and available()
 
 
 def linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes this step: CPU, fp32/bf16 rows, a contiguous weight of their dtype or int8
     codes, no autograd, few rows, built."""
-    return (x.is_cpu and x.dtype in DTYPES and weight.dtype in (x.dtype, torch.int8)
-            and weight.is_contiguous() and x.numel() <= MAX_LINEAR_ROWS * x.shape[-1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and available())
+    return (weight.dtype in (x.dtype, torch.int8) and weight.is_contiguous()
+            and x.numel() <= MAX_LINEAR_ROWS * x.shape[-1]
+            and not (torch.is_grad_enabled() and weight.requires_grad) and step_fits(x))

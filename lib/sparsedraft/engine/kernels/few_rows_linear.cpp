@@ -12,9 +12,9 @@
 // of a verification step has, bit for bit, the value the same row gets in a one-row decode step.
 // torch's own kernels give no such promise (fp32 rows differ between M = 1 and M = 8).
 //
-// Layouts: x [..., K] (M rows in all) contiguous, w [N, K] contiguous (the Hugging Face layout, nothing repacked),
-// bias [N] or empty, all one dtype (float32 or bfloat16); out [M, N] in that dtype, accumulated in
-// float32 and rounded once.
+// Layouts: x [..., K] (M rows in all) contiguous, w [N, K] contiguous (the Hugging Face layout, nothing
+// repacked), bias [N] or empty, all one dtype (float32 or bfloat16); out [..., N] in that dtype,
+// accumulated in float32 and rounded once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
