@@ -14,6 +14,7 @@ from sparsedraft.budgetdraft.feature_loss import TokenHead, token_ce, unroll
 from sparsedraft.budgetdraft import feature_train
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
 from sparsedraft.engine.cache import StaticCache
+from sparsedraft.engine.data import model_tokenizer
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.engine.sampling import SamplingConfig
 from sparsedraft.speculative.drafters import DraftContext, TargetState
@@ -163,6 +164,20 @@ def test_the_saved_drafter_loads_for_its_target_only(tmp_path):
         assert record["data"]["sampled_tokens"] == 96
     with pytest.raises(SparsedraftError, match="trained for target"):
         load_feature_head(tmp_path / "export", tiny_model("llama", seed=1))
+
+
+def test_a_second_sampled_set_continues_the_same_prompts_anew_and_keeps_the_first_sets_file(tmp_path):
+    target = tiny_model("llama")
+    shape = dict(sequences=0, pydoc_sequences=0, sampled_sequences=2, sampled_prompt=16, sampled_tokens=32,
+                 eval_sequences=0, lam=0.0)
+    one = feature_train.load_feature_data(config(tmp_path, "a", **shape), target, model_tokenizer("tiny-llama"), False)
+    two = feature_train.load_feature_data(config(tmp_path, "a", sampled_sets=2, **shape), target,
+                                          model_tokenizer("tiny-llama"), False)
+    assert len(list((tmp_path / "teacher").glob("sampled-*"))) == 2
+    assert [w.tokens.tolist() for w in two.train[:2]] == [w.tokens.tolist() for w in one.train]
+    for first, second in zip(two.train[:2], two.train[2:]):
+        assert torch.equal(first.tokens[:16], second.tokens[:16]) and not torch.equal(first.tokens, second.tokens)
+    assert two.sizes()["sampled_tokens"] == 2 * one.sizes()["sampled_tokens"]
 
 
 def test_a_warm_start_begins_at_the_folders_weights_and_keeps_its_lineage(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ from ..errors import require
 from .feature_data import TOP_K
 
 TOKEN_TARGETS = ("greedy", "topk")
+SET_SEED_STRIDE = 10_007  # seeds of sampled set k: no batch's seed (seed + row offset) in one set repeats another's
 
 DEVICES = ("cpu", "cuda")
 # The paper's budgets that a 2K window can train: 2048 would keep a 2K window's whole prefix (no sparsity), and
@@ -42,6 +43,9 @@ class FeatureTrainConfig:
     pydoc_sequences: int = field(default=24, metadata={"help": "windows of Python's documentation text"})
     sampled_sequences: int = field(default=48, metadata={
         "help": "the target's sampled continuations of train-split essay prompts (self-distillation)"})
+    sampled_sets: int = field(default=1, metadata={
+        "help": "independent sampled continuations of each prompt (set k samples with seed + SET_SEED_STRIDE * k, "
+                "its own cache file): more of the target's own text for the price of its decode alone"})
     sampled_prompt: int = field(default=256, metadata={"help": "prompt tokens of each sampled window"})
     sampled_tokens: int = field(default=768, metadata={"help": "sampled tokens after each prompt"})
     temperature: float = field(default=0.8, metadata={"help": "sampling temperature of the continuations"})
@@ -98,7 +102,7 @@ class FeatureTrainConfig:
     device: str = field(default="cpu", metadata={"help": "cpu or cuda", "choices": DEVICES})
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "steps", "checkpoint_every", "sample_batch", "chunk_size", "obs_window",
+        for name in ("seq_len", "steps", "checkpoint_every", "sample_batch", "sampled_sets", "chunk_size", "obs_window",
                      "continuation", "sampled_prompt"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("sequences", "pydoc_sequences", "sampled_sequences", "sampled_tokens", "eval_sequences",

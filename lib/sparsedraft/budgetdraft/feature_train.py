@@ -41,7 +41,7 @@ from ..report import read_table
 from ..speculative.feature import FeatureHead, check_feature_drafter, load_feature_head, save_feature_head
 from ..speculative.vocab import frequent_tokens
 from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
-from .feature_config import FeatureTrainConfig
+from .feature_config import SET_SEED_STRIDE, FeatureTrainConfig
 from .feature_data import Window, feature_scale, sampled_teacher, teacher_windows, text_windows
 from .feature_eval import budgeted_agreement, window_agreement
 from .feature_loss import Draws, TokenHead, feature_loss
@@ -75,9 +75,10 @@ def load_feature_data(cfg: FeatureTrainConfig, target: Transformer, tokenizer: T
     for source, count in (("essays", cfg.sequences), ("pydoc", cfg.pydoc_sequences)):
         windows = text_windows(tokenizer, source, cfg.seq_len, count)
         train += teacher_windows(target, cfg.verifier, windows, source, cache, cfg.teacher, progress)
-    train += sampled_teacher(target, cfg.verifier, tokenizer, cfg.sampled_sequences, cfg.sampled_prompt,
-                             cfg.sampled_tokens, cfg.temperature, cfg.seed, cache, cfg.teacher, cfg.sample_batch,
-                             progress)
+    for k in range(cfg.sampled_sets):
+        train += sampled_teacher(target, cfg.verifier, tokenizer, cfg.sampled_sequences, cfg.sampled_prompt,
+                                 cfg.sampled_tokens, cfg.temperature, cfg.seed + SET_SEED_STRIDE * k, cache,
+                                 cfg.teacher, cfg.sample_batch, progress)
     held = corpus_windows(tokenizer, cfg.seq_len, cfg.eval_sequences, "heldout") if cfg.eval_sequences else \
         torch.zeros(0, cfg.seq_len, dtype=torch.long)
     held_out = teacher_windows(target, cfg.verifier, held, "heldout", cache, cfg.teacher, progress)
