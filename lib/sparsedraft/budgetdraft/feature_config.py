@@ -44,7 +44,7 @@ class FeatureTrainConfig:
     sampled_sequences: int = field(default=48, metadata={
         "help": "the target's sampled continuations of train-split essay prompts (self-distillation)"})
     sampled_sets: int = field(default=1, metadata={
-        "help": "independent sampled continuations of each prompt (set k samples with seed + SET_SEED_STRIDE * k, "
+        "help": f"independent sampled continuations of each prompt (set k samples with seed + {SET_SEED_STRIDE} k, "
                 "its own cache file): more of the target's own text for the price of its decode alone"})
     sampled_prompt: int = field(default=256, metadata={"help": "prompt tokens of each sampled window"})
     sampled_tokens: int = field(default=768, metadata={"help": "sampled tokens after each prompt"})
