@@ -87,6 +87,29 @@ inline float exp2_nonpositive(float x) {
   return x < -126.0f ? 0.0f : p * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp2_nonpositive on 8 lanes, written out because the compiler leaves the scalar form unvectorised:
+// the same operations in the same order (its comparisons as MAXPS, which keeps the second operand
+// unless the first is greater, and a blend), so every lane gets the scalar call's bits.
+inline __m256 exp2_nonpositive8(__m256 x) {
+  const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(xc, magic), magic);
+  const __m256 f = _mm256_sub_ps(xc, n);
+  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ));
+}
+#endif
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -109,6 +132,17 @@ struct Shape {
   int64_t chunks;   // ceil(S / kChunk)
   int64_t visible(int64_t r) const { return S - T + r % T + 1; }  // keys row r sees
 };
+
+// v[x] = exp2_nonpositive(v[x] - m[x]) for the kLanes lanes of one block.
+inline void exp2_lanes(float* v, const float* m) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t x = 0; x < kLanes; x += 8)
+    _mm256_storeu_ps(v + x, exp2_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(v + x), _mm256_loadu_ps(m + x))));
+#else
+#pragma omp simd
+  for (int64_t x = 0; x < kLanes; ++x) v[x] = exp2_nonpositive(v[x] - m[x]);
+#endif
+}
 
 // s[KB][rp] (columns v0 .. v0 + NV*kLanes) = scores of keys k[KB][D] against query rows (qt is
 // [D][rp], scale folded in): one madd per d, in d order, for every (key, row). KB*NV independent
@@ -225,31 +259,37 @@ inline float to_float(at::BFloat16 x) {
 }
 
 #if defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift: exact
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
+inline __m128 load4(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift: exact
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
 }
 
-// kt[d0 + i][j0 .. j0 + 7] = k[j0 .. j0 + 7][d0 + i] for i < 8: one 8x8 block, moved exactly.
+// Four columns of eight keys: a[i] holds key i's four values in its low half and key i + 4's in its
+// high half; an in-lane 4x4 transpose then writes column c of all eight keys to kt + c * kChunk.
+inline void transpose_halves(const __m256 a[4], float* kt) {
+  const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
+  _mm256_storeu_ps(kt, _mm256_shuffle_ps(t0, t2, 0x44));
+  _mm256_storeu_ps(kt + kChunk, _mm256_shuffle_ps(t0, t2, 0xEE));
+  _mm256_storeu_ps(kt + 2 * kChunk, _mm256_shuffle_ps(t1, t3, 0x44));
+  _mm256_storeu_ps(kt + 3 * kChunk, _mm256_shuffle_ps(t1, t3, 0xEE));
+}
+
+// kt[d0 + i][j0 .. j0 + 7] = k[j0 .. j0 + 7][d0 + i] for i < 8: one 8x8 block, moved exactly. The loads
+// pair key i with key i + 4 across the two 128-bit halves, so no cross-half shuffle is needed (those
+// cost several cycles each on CPUs that split 256-bit operations, like the first Zen cores).
 template <typename scalar_t>
 inline void transpose8(const scalar_t* k, int64_t D, float* kt) {
-  __m256 r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i) r[i] = load8(k + i * D);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
+  __m256 lo[4], hi[4];
   for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_ps(kt + i * kChunk, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-    _mm256_storeu_ps(kt + (i + 4) * kChunk, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    const scalar_t* a = k + i * D;
+    const scalar_t* b = k + (i + 4) * D;
+    lo[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(load4(a)), load4(b), 1);
+    hi[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(load4(a + 4)), load4(b + 4), 1);
   }
+  transpose_halves(lo, kt);
+  transpose_halves(hi, kt + 4 * kChunk);
 }
 #endif
 
@@ -324,6 +364,27 @@ const float* as_floats<at::BFloat16>(const at::BFloat16* src, int64_t n, std::ve
   return out;
 }
 
+// l[r] = the sum of s[r][0 .. len) in key order (as the row path adds), N rows' chains side by side:
+// one chain is bound by the add's latency, several fill the pipeline.
+template <int N>
+void sum_rows_of(const float* s, int64_t len, float* l) {
+  float acc[N] = {};
+  for (int64_t j = 0; j < len; ++j)
+    for (int q = 0; q < N; ++q) acc[q] += s[q * kChunk + j];
+  for (int q = 0; q < N; ++q) l[q] = acc[q];
+}
+
+void sum_rows(const float* s, int64_t R, int64_t len, float* l) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) sum_rows_of<4>(s + r * kChunk, len, l + r);
+  switch (R - r) {
+    case 3: sum_rows_of<3>(s + r * kChunk, len, l + r); break;
+    case 2: sum_rows_of<2>(s + r * kChunk, len, l + r); break;
+    case 1: sum_rows_of<1>(s + r * kChunk, len, l + r); break;
+    default: break;
+  }
+}
+
 // attend_chunk with keys as lanes (steps of at most sh.key_rows rows): the same outputs, bit for bit.
 template <typename scalar_t>
 void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, const scalar_t* vc, int64_t c0,
@@ -352,16 +413,12 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
     float mx = kNegInf;
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 0; j < len; ++j) mx = sr[j] > mx ? sr[j] : mx;
-    for (int64_t j0 = 0; j0 < padded; j0 += kLanes) {  // fixed-width blocks, so the compiler vectorises
-      float* block = sr + j0;
-#pragma omp simd
-      for (int64_t x = 0; x < kLanes; ++x) block[x] = exp2_nonpositive(block[x] - mx);
-    }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < len; ++j) sum += sr[j];  // in key order, as the row path adds
+    float mxs[kLanes];
+    std::fill(mxs, mxs + kLanes, mx);
+    for (int64_t j0 = 0; j0 < padded; j0 += kLanes) exp2_lanes(sr + j0, mxs);
     m[r] = seen[r] > 0 ? mx : kNegInf;
-    l[r] = sum;
   }
+  sum_rows(s, R, len, l);
   const float* v = as_floats(vc, len * D, scratch.values);
   std::fill(o, o + R * D, 0.0f);
   weigh(s, 1, kChunk, v, D, 0, R, 0, seen_by_all, o);
@@ -411,11 +468,9 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
           __builtin_prefetch(key + b, 0, 2);  // into L2: more misses in flight than L1's fill buffers allow
       }
       float* sj = s + jj * rp + v0;
+      exp2_lanes(sj, mx);
 #pragma omp simd
-      for (int64_t x = 0; x < kLanes; ++x) {
-        sj[x] = exp2_nonpositive(sj[x] - mx[x]);
-        sum[x] += sj[x];
-      }
+      for (int64_t x = 0; x < kLanes; ++x) sum[x] += sj[x];
     }
     for (int64_t x = 0; x < kLanes && v0 + x < R; ++x) {
       m[v0 + x] = seen[v0 + x] > 0 ? mx[x] : -std::numeric_limits<float>::infinity();
