@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sparsedraft.engine import kernels
+from sparsedraft.engine.cpuinfo import cpu_flags
 from sparsedraft.engine.cache import causal_mask
 from sparsedraft.errors import SparsedraftError
 
@@ -79,6 +80,54 @@ def test_keys_as_lanes_and_rows_as_lanes_give_the_same_bits(built, dtype, b, kv,
     by_rows = kernels.attend(q, k, v, d ** -0.5, t, key_rows=0)
     by_keys = kernels.attend(q, k, v, d ** -0.5, t, key_rows=g * t)
     assert torch.equal(by_rows, by_keys)
+
+
+@pytest.fixture
+def tiles_off():
+    """bf16 attention on the same build's vector code instead of AMX tiles (skipped where it is not on tiles:
+    then the other tests already cover that code)."""
+    if not kernels.on_tiles():
+        pytest.skip("bf16 attention does not run on AMX tiles here")
+    kernels.use_tiles(False)
+    try:
+        yield
+    finally:
+        kernels.use_tiles(True)
+
+
+def test_the_path_says_when_bf16_attention_runs_on_tiles(built):
+    assert ("AMX tiles" in kernels.path()) == kernels.on_tiles()
+    flags = cpu_flags()
+    if built == "auto" and {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and platform.system() == "Linux":
+        assert kernels._module.tiles() != 0  # -march=native on an AMX CPU builds them; -1 would say the OS refused
+    if built != "auto":
+        assert not kernels.on_tiles()  # the forced paths name their instruction sets, AMX not among them
+
+
+@pytest.mark.parametrize("g,t,s,d", [(3, 8, 259, 64), (4, 5, 513, 128), (8, 16, 270, 64)])
+def test_bf16_without_tiles_matches_reference_and_its_rows_stay_exact(built, tiles_off, g, t, s, d):
+    q, k, v = _inputs(1, 2, g, t, s, d, torch.bfloat16, seed=1, q_scale=3.0)
+    out = kernels.attend(q, k, v, d ** -0.5, t)
+    ref = kernels.attend_reference(q, k, v, d ** -0.5, t)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1e-3)
+    one = kernels.attend(q[:, :, t - 1::t], k, v, d ** -0.5, 1)
+    assert torch.equal(out[:, :, t - 1::t], one)
+
+
+def test_tiles_and_vector_code_are_two_paths_that_both_hold_the_contract(built):
+    """On tiles the softmax weights are rounded to bf16 before they weigh the values: the two paths agree to
+    bf16's precision, not bitwise (a generation keeps one path from start to end)."""
+    if not kernels.on_tiles():
+        pytest.skip("bf16 attention does not run on AMX tiles here")
+    q, k, v = _inputs(1, 3, 3, 8, 3000, 64, torch.bfloat16, seed=4, q_scale=3.0)
+    on = kernels.attend(q, k, v, 0.125, 8)
+    kernels.use_tiles(False)
+    try:
+        off = kernels.attend(q, k, v, 0.125, 8)
+    finally:
+        kernels.use_tiles(True)
+    torch.testing.assert_close(on.float(), off.float(), rtol=1.6e-2, atol=2e-3)
+    assert not torch.equal(on, off)  # else the switch did nothing
 
 
 def test_result_independent_of_thread_count(built):

@@ -1,6 +1,6 @@
 """Time the C++ attention kernel against torch SDPA on SmolLM2-135M-shaped decode attention, and the kernel as
 it runs (keys as lanes for steps of at most ``kernels.KEY_ROWS`` rows per KV head) against its rows-as-lanes
-path alone. With ``--linear``, time instead the few-row linear kernel over every weight matrix of a
+path alone, and, where bf16 attention runs on AMX tiles, against the same build's vector code. With ``--linear``, time instead the few-row linear kernel over every weight matrix of a
 SmolLM2-135M forward (30 layers' projections and the head, each its own matrix, so the weights come from
 memory) for steps of 1-16 rows: torch's ``F.linear``, the kernel as it runs (AVX2+FMA: rows in pairs past
 eight) and unpaired, each beside its roofline time max(weight bytes / read bandwidth, FLOPs / fp32 peak),
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.cpuinfo import cpu_flags
-from ..engine.kernels import MAX_LINEAR_ROWS, attend, available, linear, path
+from ..engine.kernels import MAX_LINEAR_ROWS, attend, available, linear, on_tiles, path, use_tiles
 from ..engine.machine import best_isa, peak_gflops, provenance
 from ..engine.roofline import measure_read_bandwidth
 from ..errors import require
@@ -67,9 +67,18 @@ def time_step(layers: int = 30, heads: int = 9, kv: int = 3, d: int = 64, contex
             return time.perf_counter() - start
         return run
 
+    def vector_code():  # bf16 on the same build's vector code instead of AMX tiles
+        before = use_tiles(False)
+        try:
+            return kernel()
+        finally:
+            use_tiles(before)
+
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(sdpa(), kernel()))
-    runs = interleaved_runs({"sdpa": timed(sdpa), "kernel": timed(kernel), "kernel, rows as lanes": timed(row_lanes)},
-                            warmup, repeats)
+    paths = {"sdpa": timed(sdpa), "kernel": timed(kernel), "kernel, rows as lanes": timed(row_lanes)}
+    if DTYPES[dtype] == torch.bfloat16 and on_tiles():
+        paths["kernel, no tiles"] = timed(vector_code)
+    runs = interleaved_runs(paths, warmup, repeats)
     kv_bytes = layers * 2 * kv * context * d * caches[0][0].element_size()
     rows = []
     for name, seconds in runs.items():

@@ -18,8 +18,11 @@ Which vector path runs is chosen here, at run time, from what this CPU reports: 
 has). ``SPARSEDRAFT_KERNEL_ISA`` (or :func:`use_isa`) forces one of :data:`ISA_FLAGS` instead:
 ``avx512``, ``avx2`` (AVX2+FMA) or ``portable`` (no vector extension beyond the architecture's
 baseline), so a test or a bench can run the path another machine would, and a path the CPU lacks
-is one clear error rather than an illegal instruction. Every path keeps the same contract (each row's
-bits independent of the step's length); bits differ between paths, since FMA rounds once.
+is one clear error rather than an illegal instruction. Where the build targets AMX-BF16 (``auto`` on a
+CPU that has it) and Linux grants the tile state, bf16 attention with head_dim a multiple of 32 runs on
+AMX tiles (:func:`use_tiles` turns them off for an A/B). Every path keeps the same contract (each row's
+bits independent of the step's length); bits differ between paths, since FMA rounds once and the tiles
+round the softmax weights to bf16.
 
 :func:`supports` is the one question a caller asks (inputs, mask and build); :func:`attend_reference`
 is the oracle the tests hold it to.
@@ -78,6 +81,7 @@ _failure: str | None = None
 _flags: list[str] | None = None  # the FLAG_SETS entry the module was built with
 _last_mask: tuple[weakref.ref, int, bool] | None = None
 _isa: str | None = None  # use_isa's choice; None: the environment's (SPARSEDRAFT_KERNEL_ISA, default auto)
+_tiles = True  # use_tiles's choice
 
 
 def enabled() -> bool:
@@ -183,10 +187,27 @@ def available() -> bool:
                 _failure = _reason(exc)
         if _module is not None:
             _failure = None
+            _module.allow_tiles(_tiles)
         else:
             warnings.warn(f"sparsedraft C++ attention kernel unavailable ({_failure}); using torch SDPA",
                           RuntimeWarning, stacklevel=2)
     return _module is not None
+
+
+def use_tiles(on: bool) -> bool:
+    """Let bf16 attention run on AMX tiles where the build has them and the OS grants them (the default), or
+    keep it on the same build's vector code, so a bench or a test can run both in one process. Bits differ
+    between the two, so a generation must not switch midway. Returns the previous choice."""
+    global _tiles
+    before, _tiles = _tiles, bool(on)
+    if _module is not None:
+        _module.allow_tiles(_tiles)
+    return before
+
+
+def on_tiles() -> bool:
+    """Whether bf16 attention (head_dim a multiple of 32) runs on AMX tiles here; builds like :func:`available`."""
+    return available() and _module.tiles() == 1
 
 
 def path() -> str:
@@ -202,7 +223,8 @@ def path() -> str:
         how = f"forced: SPARSEDRAFT_KERNEL_ISA={isa}"
     else:
         how = "-march=native" if any(f.startswith("-march=") for f in _flags) else "portable flags"
-    return f"{_module.vector_path} ({how})"
+    tiles = {1: ", bf16 attention on AMX tiles", -1: ", AMX tiles refused by the OS (arch_prctl)"}
+    return f"{_module.vector_path} ({how}){tiles.get(_module.tiles(), '')}"
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> None:

@@ -39,6 +39,14 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+#define SPARSEDRAFT_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define SPARSEDRAFT_TILES 0
+#endif
 
 namespace {
 
@@ -110,6 +118,27 @@ inline __m256 exp2_nonpositive8(__m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// The same on 16 lanes, for builds with AVX-512 (a mask in place of the blend).
+inline __m512 exp2_nonpositive16(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(xc, magic), magic);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
+}
+#endif
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -135,7 +164,10 @@ struct Shape {
 
 // v[x] = exp2_nonpositive(v[x] - m[x]) for the kLanes lanes of one block.
 inline void exp2_lanes(float* v, const float* m) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+  static_assert(kLanes == 16);
+  _mm512_storeu_ps(v, exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(v), _mm512_loadu_ps(m))));
+#elif defined(__AVX2__) && defined(__FMA__)
   for (int64_t x = 0; x < kLanes; x += 8)
     _mm256_storeu_ps(v + x, exp2_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(v + x), _mm256_loadu_ps(m + x))));
 #else
@@ -343,6 +375,7 @@ void score_by_keys(const float* qt, int64_t rp, const float* kt, float* s, int64
 
 struct Scratch {  // per thread, reused across calls
   std::vector<float> scores, keys, values, row, keys_t;
+  std::vector<uint16_t> tiles;  // the tile path's key tail, weights and paired values
   std::vector<int64_t> seen;
 };
 
@@ -426,23 +459,13 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
     if (seen[r] > seen_by_all) weigh(s, 1, kChunk, v, D, r, r + 1, seen_by_all, seen[r], o);
 }
 
-// One chunk of one (batch, kv head): writes o [R][D] (unnormalised), m [R] (row max, -inf when the
-// row sees none of these keys) and l [R] (sum of exponentials).
+// The row layout's softmax over one chunk (s[j][rp], rows as lanes): each row's unseen keys masked, then
+// per block of kLanes rows the max, the exponentials in place and their in-order sum into m and l.
+// Returns the keys every row sees (scratch.seen holds each row's count).
 template <typename scalar_t>
-void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const scalar_t* vc, int64_t c0,
-                  int64_t len, const scalar_t* next_k, int64_t next_len, Scratch& scratch, float* o, float* m,
-                  float* l) {
+int64_t softmax_by_rows(const Shape& sh, float* s, int64_t c0, int64_t len, const scalar_t* next_k,
+                        int64_t next_len, Scratch& scratch, float* m, float* l) {
   const int64_t D = sh.D, rp = sh.rp, R = sh.R;
-  if (R <= sh.key_rows) {
-    attend_chunk_by_keys(sh, qt, kc, vc, c0, len, next_k, next_len, scratch, o, m, l);
-    return;
-  }
-  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
-  float* s = scratch.scores.data();
-
-  const float* k = as_floats(kc, len * D, scratch.keys);
-  score(qt, k, s, D, rp, len, reinterpret_cast<const char*>(vc), D * static_cast<int64_t>(sizeof(scalar_t)));
-
   int64_t seen_by_all = len;  // keys every row sees; beyond it, rows stop at their own bound
   scratch.seen.resize(R);
   int64_t* seen = scratch.seen.data();
@@ -477,6 +500,28 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
       l[v0 + x] = sum[x];
     }
   }
+  return seen_by_all;
+}
+
+// One chunk of one (batch, kv head): writes o [R][D] (unnormalised), m [R] (row max, -inf when the
+// row sees none of these keys) and l [R] (sum of exponentials).
+template <typename scalar_t>
+void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const scalar_t* vc, int64_t c0,
+                  int64_t len, const scalar_t* next_k, int64_t next_len, Scratch& scratch, float* o, float* m,
+                  float* l) {
+  const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+  if (R <= sh.key_rows) {
+    attend_chunk_by_keys(sh, qt, kc, vc, c0, len, next_k, next_len, scratch, o, m, l);
+    return;
+  }
+  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
+  float* s = scratch.scores.data();
+
+  const float* k = as_floats(kc, len * D, scratch.keys);
+  score(qt, k, s, D, rp, len, reinterpret_cast<const char*>(vc), D * static_cast<int64_t>(sizeof(scalar_t)));
+
+  const int64_t seen_by_all = softmax_by_rows(sh, s, c0, len, next_k, next_len, scratch, m, l);
+  const int64_t* seen = scratch.seen.data();
 
   const float* v = as_floats(vc, len * D, scratch.values);
   std::fill(o, o + R * D, 0.0f);
@@ -484,6 +529,200 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
   for (int64_t r = 0; r < R; ++r)
     if (seen[r] > seen_by_all) weigh(s, rp, 1, v, D, r, r + 1, seen_by_all, seen[r], o);
 }
+
+#if SPARSEDRAFT_TILES
+// AMX tiles for bf16 caches (built where the compiler targets AMX-BF16, run once the OS grants the
+// tile state). A tile product adds each (row, column)'s products in one fixed order whatever else the
+// tile holds, so padding rows and keys never change a row's bits, and a decode and a verification of
+// the same rows agree exactly, as on the other paths (with other bits: q is multiplied unscaled and the
+// softmax weights are rounded to bf16 before they weigh the values, as flash attention does on GPUs).
+//
+// Scores come out transposed, s^T = K Q^T, so the cached keys load into tiles as they lie (16 keys x 32
+// dims per tile) and only the small query block is rearranged (qv below, once per call). The weighted
+// sum o = P V takes P [rows][keys] from the row layout's softmax by a 16x16 transpose per block, and
+// the values with key pairs interleaved (the tile unit's operand layout), made per chunk.
+bool tiles_granted() {  // Linux hands out AMX's 8 KB of tile state only on request, once per process
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {  // every tile 16 rows of 64 bytes; per thread, and oneDNN may have set its own
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+// qv[qb][ds][p][n][e] = q[16 qb + n][32 ds + 2p + e]: the query rows as the tile unit's second operand,
+// zero beyond R rows. q holds one head's [R][D] rows.
+void pack_queries(const uint16_t* q, int64_t R, int64_t rp, int64_t D, uint16_t* qv) {
+  std::fill(qv, qv + rp * D, uint16_t{0});
+  const int64_t DS = D / 32;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d)
+      qv[(((r / 16) * DS + d / 32) * 16 + d % 32 / 2) * 32 + r % 16 * 2 + d % 2] = q[r * D + d];
+}
+
+// out[c] = column c of the 16x16 block in[0..15] (rows to columns), exactly.
+inline void transpose16(const __m512 in[16], __m512 out[16]) {
+  __m512 u[16];
+  for (int i = 0; i < 16; i += 4) {
+    const __m512 t0 = _mm512_unpacklo_ps(in[i], in[i + 1]), t1 = _mm512_unpackhi_ps(in[i], in[i + 1]);
+    const __m512 t2 = _mm512_unpacklo_ps(in[i + 2], in[i + 3]), t3 = _mm512_unpackhi_ps(in[i + 2], in[i + 3]);
+    u[i] = _mm512_shuffle_ps(t0, t2, 0x44), u[i + 1] = _mm512_shuffle_ps(t0, t2, 0xEE);
+    u[i + 2] = _mm512_shuffle_ps(t1, t3, 0x44), u[i + 3] = _mm512_shuffle_ps(t1, t3, 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {  // u[4i + c]'s 128-bit lane L: rows 4i .. 4i+3 of column 4L + c
+    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    out[c] = _mm512_shuffle_f32x4(x0, y0, 0x88), out[4 + c] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    out[8 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88), out[12 + c] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
+// pt[r][j] = bf16(s[j][r]) for rows r < rp and keys j < n32 (s's rows from len on count as zero).
+void weights_by_rows(const float* s, int64_t rp, int64_t len, int64_t n32, uint16_t* pt) {
+  __m512 in[16], lo[16], hi[16];
+  for (int64_t v0 = 0; v0 < rp; v0 += 16)
+    for (int64_t j0 = 0; j0 < n32; j0 += 32) {
+      for (int half = 0; half < 2; ++half) {
+        for (int i = 0; i < 16; ++i) {
+          const int64_t j = j0 + half * 16 + i;
+          in[i] = j < len ? _mm512_loadu_ps(s + j * rp + v0) : _mm512_setzero_ps();
+        }
+        transpose16(in, half == 0 ? lo : hi);
+      }
+      for (int r = 0; r < 16; ++r)
+        _mm512_storeu_si512(pt + (v0 + r) * kChunk + j0, (__m512i)_mm512_cvtne2ps_pbh(hi[r], lo[r]));
+    }
+}
+
+// vv[p][d][e] = v[2p + e][d] for key pairs p < n32 / 2 (keys from len on are zero).
+void pair_values(const uint16_t* v, int64_t len, int64_t n32, int64_t D, uint16_t* vv) {
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t j = 0; j < n32; j += 2)
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = j < len ? _mm512_loadu_si512(v + j * D + d) : _mm512_setzero_si512();
+      const __m512i b = j + 1 < len ? _mm512_loadu_si512(v + (j + 1) * D + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vv + j * D + 2 * d, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(vv + j * D + 2 * d + 32, _mm512_permutex2var_epi16(a, high, b));
+    }
+}
+
+// attend_chunk on tiles (bf16, D a multiple of 32): the same outputs as every path gives, in its own bits.
+void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const uint16_t* kc, const uint16_t* vc,
+                        int64_t c0, int64_t len, const uint16_t* next_k, int64_t next_len, Scratch& scratch,
+                        float* o, float* m, float* l) {
+  const int64_t D = sh.D, rp = sh.rp, R = sh.R, DS = D / 32;
+  const int64_t n32 = (len + 31) / 32 * 32;
+  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
+  const int64_t front = 2 * rp * D;  // the last block's keys (16 x D bf16), later the output (rp x D fp32)
+  scratch.tiles.resize(front + rp * kChunk + kChunk * D);
+  float* s = scratch.scores.data();
+  uint16_t* tail = scratch.tiles.data();
+  uint16_t* pt = tail + front;
+  uint16_t* vv = pt + rp * kChunk;
+  const int64_t bytes = D * 2;
+  const auto keys_at = [&](int64_t j0) {  // the 16 keys from j0, the last block zero-padded
+    prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, (j0 + 16) * bytes);
+    if (j0 + 16 <= len) return kc + j0 * D;
+    std::fill(tail, tail + 16 * D, uint16_t{0});
+    std::copy(kc + j0 * D, kc + len * D, tail);
+    return static_cast<const uint16_t*>(tail);
+  };
+  if (D == 64 && rp <= 32) {  // the query tiles stay loaded; key blocks alternate tiles to overlap
+    _tile_loadd(4, qv, 64);
+    _tile_loadd(5, qv + 512, 64);
+    if (rp == 32) {
+      _tile_loadd(6, qv + 1024, 64);
+      _tile_loadd(7, qv + 1536, 64);
+    }
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const uint16_t* keys = keys_at(j0);
+      _tile_loadd(2, keys, bytes);
+      _tile_loadd(3, keys + 32, bytes);
+      _tile_zero(0);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(0, 3, 5);
+      if (rp == 32) {
+        _tile_zero(1);
+        _tile_dpbf16ps(1, 2, 6);
+        _tile_dpbf16ps(1, 3, 7);
+        _tile_stored(1, s + j0 * rp + 16, rp * 4);
+      }
+      _tile_stored(0, s + j0 * rp, rp * 4);
+    }
+  } else {
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const uint16_t* keys = keys_at(j0);
+      for (int64_t qb = 0; qb < rp / 16; ++qb) {
+        _tile_zero(0);
+        for (int64_t ds = 0; ds < DS; ++ds) {
+          _tile_loadd(2, keys + ds * 32, bytes);
+          _tile_loadd(4, qv + (qb * DS + ds) * 512, 64);
+          _tile_dpbf16ps(0, 2, 4);
+        }
+        _tile_stored(0, s + j0 * rp + qb * 16, rp * 4);
+      }
+    }
+  }
+  for (int64_t x = 0; x < len * rp; ++x) s[x] *= qscale;
+  // the next chunk's keys come in during the exponentials; keys past a row's bound get weight 0, and
+  // adding 0 changes no bits, so every row takes every key below
+  softmax_by_rows(sh, s, c0, len, next_k, next_len, scratch, m, l);
+
+  weights_by_rows(s, rp, len, n32, pt);
+  pair_values(vc, len, n32, D, vv);
+  float* acc = reinterpret_cast<float*>(tail);  // [rp][D]; the keys' tail is no longer needed
+  for (int64_t qb = 0; qb < rp / 16; ++qb) {
+    const uint16_t* p = pt + qb * 16 * kChunk;
+    float* a = acc + qb * 16 * D;
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) {  // four column tiles share each load of the weights
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t j0 = 0; j0 < n32; j0 += 32) {
+        const uint16_t* vj = vv + j0 * D + 2 * d0;
+        _tile_loadd(4, p + j0, kChunk * 2);
+        _tile_loadd(5, vj, D * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, vj + 32, D * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, vj + 64, D * 4);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, vj + 96, D * 4);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, a + d0, D * 4);
+      _tile_stored(1, a + d0 + 16, D * 4);
+      _tile_stored(2, a + d0 + 32, D * 4);
+      _tile_stored(3, a + d0 + 48, D * 4);
+    }
+    for (; d0 < D; d0 += 16) {
+      _tile_zero(0);
+      for (int64_t j0 = 0; j0 < n32; j0 += 32) {
+        _tile_loadd(4, p + j0, kChunk * 2);
+        _tile_loadd(5, vv + j0 * D + 2 * d0, D * 4);
+        _tile_dpbf16ps(0, 4, 5);
+      }
+      _tile_stored(0, a + d0, D * 4);
+    }
+  }
+  std::copy(acc, acc + R * D, o);
+}
+#endif
 
 // Row r of (b, kv): merge its chunks in order into out.
 template <typename scalar_t>
@@ -513,18 +752,40 @@ void merge_row(const Shape& sh, const float* o, const float* m, const float* l, 
   }
 }
 
+// Whether bf16 attention with head_dim D runs on tiles: built, granted, and D a whole number of tile
+// columns. It depends on nothing a step's length changes, so decodes and verifications agree.
+std::atomic<bool> tiles_allowed{true};  // allow_tiles(false): the same build without them (benches, tests)
+
+bool takes_tiles(int64_t D) {
+#if SPARSEDRAFT_TILES
+  return D % 32 == 0 && tiles_allowed.load(std::memory_order_relaxed) && tiles_granted();
+#else
+  (void)D;
+  return false;
+#endif
+}
+
 template <typename scalar_t>
 void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
          at::Tensor& out) {
   const int64_t D = sh.D, R = sh.R, rp = sh.rp, heads = sh.B * sh.KV, n = sh.chunks;
   const float qscale = static_cast<float>(scale) * kLog2e;  // scores in log2 units: exp2 in the softmax
 
-  std::vector<float> qt(heads * D * rp, 0.0f);  // per head [D][rp]
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  for (int64_t h = 0; h < heads; ++h)
+  const bool tiles = std::is_same_v<scalar_t, at::BFloat16> && takes_tiles(D);
+  std::vector<float> qt(tiles ? 0 : heads * D * rp, 0.0f);  // per head [D][rp]
+  std::vector<uint16_t> qv(tiles ? heads * D * rp : 0);     // per head, as pack_queries lays it out
+  for (int64_t h = 0; h < heads; ++h) {
+#if SPARSEDRAFT_TILES
+    if (tiles) {
+      pack_queries(reinterpret_cast<const uint16_t*>(qp) + h * R * D, R, rp, D, qv.data() + h * D * rp);
+      continue;
+    }
+#endif
     for (int64_t r = 0; r < R; ++r)
       for (int64_t d = 0; d < D; ++d)
         qt[(h * D + d) * rp + r] = static_cast<float>(qp[(h * R + r) * D + d]) * qscale;
+  }
 
   thread_local std::vector<float> partial;  // per calling thread: no page faults on every call
   if (static_cast<int64_t>(partial.size()) < heads * n * R * (D + 2)) partial.resize(heads * n * R * (D + 2));
@@ -550,6 +811,9 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
   at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
     scratch.row.resize(D);
+#if SPARSEDRAFT_TILES
+    if (tiles) configure_tiles();
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / n, c = item % n;
       const scalar_t* vc = vp + h / sh.KV * vb + h % sh.KV * vh + c * kChunk * D;
@@ -557,13 +821,24 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
       float* ho = part_o + h * n * R * D;
       float* hm = part_m + h * n * R;
       float* hl = part_l + h * n * R;
-      attend_chunk<scalar_t>(sh, qt.data() + h * D * rp, keys_of(item), vc, c * kChunk, length_of(item),
-                             more ? keys_of(item + 1) : nullptr, more ? length_of(item + 1) : 0, scratch,
-                             ho + c * R * D, hm + c * R, hl + c * R);
+      const scalar_t* next = more ? keys_of(item + 1) : nullptr;
+      const int64_t next_len = more ? length_of(item + 1) : 0;
+#if SPARSEDRAFT_TILES
+      if (tiles) {
+        const auto bits = [](const scalar_t* x) { return reinterpret_cast<const uint16_t*>(x); };
+        attend_chunk_tiles(sh, qv.data() + h * D * rp, qscale, bits(keys_of(item)), bits(vc), c * kChunk,
+                           length_of(item), bits(next), next_len, scratch, ho + c * R * D, hm + c * R, hl + c * R);
+      } else
+#endif
+        attend_chunk<scalar_t>(sh, qt.data() + h * D * rp, keys_of(item), vc, c * kChunk, length_of(item), next,
+                               next_len, scratch, ho + c * R * D, hm + c * R, hl + c * R);
       if (finished[h].fetch_add(1, std::memory_order_acq_rel) + 1 == n)
         for (int64_t r = 0; r < R; ++r)
           merge_row<scalar_t>(sh, ho, hm, hl, r, scratch.row.data(), op + (h * R + r) * D);
     }
+#if SPARSEDRAFT_TILES
+    if (tiles) _tile_release();
+#endif
   });
 }
 
@@ -598,3 +873,16 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor&
 }
 
 int64_t attend_chunk() { return kChunk; }
+
+// 1: bf16 attention runs on AMX tiles (head_dim a multiple of 32); 0: not built for them or turned off;
+// -1: built, but the OS refused the tile state.
+int64_t attend_tiles() {
+#if SPARSEDRAFT_TILES
+  if (!tiles_allowed.load()) return 0;
+  return tiles_granted() ? 1 : -1;
+#else
+  return 0;
+#endif
+}
+
+void attend_allow_tiles(bool allow) { tiles_allowed.store(allow); }
