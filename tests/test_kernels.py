@@ -114,20 +114,50 @@ def test_bf16_without_tiles_matches_reference_and_its_rows_stay_exact(built, til
     assert torch.equal(out[:, :, t - 1::t], one)
 
 
+@pytest.mark.parametrize("n, k", [(48, 64), (200, 576)])
+def test_bf16_linear_without_tiles_matches_torch_and_rows_stay_exact(built, tiles_off, n, k):
+    gen = torch.Generator().manual_seed(n)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    x = torch.randn(9, k, generator=gen).bfloat16()
+    out = kernels.linear(x, w)
+    torch.testing.assert_close(out.float(), torch.nn.functional.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    assert all(torch.equal(kernels.linear(x[m:m + 1], w)[0], out[m]) for m in range(9))
+
+
+def test_bf16_linear_rows_do_not_depend_on_how_threads_split_the_weight(built):
+    """On tiles the weight rows go in blocks of 16 from each thread's first row, the last one padded: a
+    row's bits must not depend on where a thread's share begins."""
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(1000, 576, generator=gen) / 24).bfloat16()
+    x = torch.randn(3, 576, generator=gen).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.linear(x, w)
+        torch.set_num_threads(max(2, threads))
+        many = kernels.linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
 def test_tiles_and_vector_code_are_two_paths_that_both_hold_the_contract(built):
     """On tiles the softmax weights are rounded to bf16 before they weigh the values: the two paths agree to
     bf16's precision, not bitwise (a generation keeps one path from start to end)."""
     if not kernels.on_tiles():
         pytest.skip("bf16 attention does not run on AMX tiles here")
     q, k, v = _inputs(1, 3, 3, 8, 3000, 64, torch.bfloat16, seed=4, q_scale=3.0)
-    on = kernels.attend(q, k, v, 0.125, 8)
+    w, x = (torch.randn(300, 576) / 24).bfloat16(), torch.randn(5, 576).bfloat16()
+    on = kernels.attend(q, k, v, 0.125, 8), kernels.linear(x, w)
     kernels.use_tiles(False)
     try:
-        off = kernels.attend(q, k, v, 0.125, 8)
+        off = kernels.attend(q, k, v, 0.125, 8), kernels.linear(x, w)
     finally:
         kernels.use_tiles(True)
-    torch.testing.assert_close(on.float(), off.float(), rtol=1.6e-2, atol=2e-3)
-    assert not torch.equal(on, off)  # else the switch did nothing
+    for a, b in zip(on, off):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=2e-2)
+    assert not torch.equal(on[0], off[0])  # else the switch did nothing (the linear's sums differ in fp32 only,
+    # and its bf16 outputs may round them alike)
 
 
 def test_result_independent_of_thread_count(built):

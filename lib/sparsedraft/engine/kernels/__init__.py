@@ -47,6 +47,7 @@ from ..cpuinfo import cpu_flags, read_cpuinfo
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("decode_attention.cpp", "few_rows_linear.cpp", "step_pointwise.cpp", "bindings.cpp"))
+HEADERS = (Path(__file__).with_name("tiles.h"),)  # compiled into the sources, so part of the build key
 MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
 LANES = 16  # decode_attention.cpp's kLanes: query rows of a KV head are computed in blocks of this many
 # Steps with at most this many query rows per KV head (a decode's group of g heads, a 2-token step) compute
@@ -134,7 +135,7 @@ def _cpu_fingerprint() -> str:
 
 def build_key(flags: list[str]) -> str:
     """Hash of everything that makes a built module reusable; names its folder and module."""
-    parts = [*(source.read_bytes() for source in SOURCES), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode(),
+    parts = [*(source.read_bytes() for source in (*SOURCES, *HEADERS)), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode(),
              platform.machine().encode(), os.environ.get("CXX", "c++").encode(), _cpu_fingerprint().encode()]
     digest = hashlib.sha256()
     for part in parts:
@@ -223,7 +224,7 @@ def path() -> str:
         how = f"forced: SPARSEDRAFT_KERNEL_ISA={isa}"
     else:
         how = "-march=native" if any(f.startswith("-march=") for f in _flags) else "portable flags"
-    tiles = {1: ", bf16 attention on AMX tiles", -1: ", AMX tiles refused by the OS (arch_prctl)"}
+    tiles = {1: ", bf16 attention and linear on AMX tiles", -1: ", AMX tiles refused by the OS (arch_prctl)"}
     return f"{_module.vector_path} ({how}){tiles.get(_module.tiles(), '')}"
 
 

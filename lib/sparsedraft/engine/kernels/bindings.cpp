@@ -3,11 +3,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>  // the Tensor <-> Python caster; far lighter than torch/extension.h
 
+#include "tiles.h"
+
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T,
                   int64_t key_rows);
 int64_t attend_chunk();
-int64_t attend_tiles();
-void attend_allow_tiles(bool allow);
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired);
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& bias, bool paired);
@@ -32,11 +32,22 @@ const char* vector_path() {
 #endif
 }
 
+// 1: bf16 attention and few-row linear run on AMX tiles; 0: not built for them, or turned off; -1: built,
+// but the OS refused the tile state.
+int64_t tiles() {
+#if SPARSEDRAFT_TILES
+  if (!tiles_allowed.load()) return 0;
+  return tiles_granted() ? 1 : -1;
+#else
+  return 0;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "GQA decode/verification attention over a KV cache (see decode_attention.cpp)");
   m.attr("chunk") = attend_chunk();
-  m.def("allow_tiles", &attend_allow_tiles, "let bf16 attention use AMX tiles where built (default) or not");
-  m.def("tiles", &attend_tiles, "1: bf16 attention on AMX tiles; 0: not built for them; -1: the OS refused them");
+  m.def("allow_tiles", [](bool allow) { tiles_allowed.store(allow); }, "let bf16 attention use AMX tiles where built (default) or not");
+  m.def("tiles", &tiles, "1: bf16 attention and few-row linear on AMX tiles; 0: not built or off; -1: refused");
   m.attr("vector_path") = vector_path();
   m.def("linear", &few_rows_linear, "x W^T (+ b) for 1..16 rows, each weight read once (few_rows_linear.cpp)");
   m.def("linear_int8", &few_rows_linear_int8, "(x Q^T) * scale (+ b) for 1..16 rows over int8 codes Q");

@@ -18,6 +18,9 @@
 // the keys as lanes instead (attend_chunk_by_keys), since rows as lanes would be mostly padding; each
 // (key, row) still gets the same chain of operations, so both ways give the same bits.
 //
+// bf16 caches on an AMX build take tiles instead (attend_chunk_tiles, below): the tile unit's fixed
+// order in place of the madd chains, the same contract.
+//
 // Layouts: q [B, KV, R, D] with row r = i*T + t (query head i of the group, new token t); k, v
 // [B, KV, S, D] with the last dimension contiguous and consecutive keys D floats apart (views into
 // bigger cache buffers are fine); out [B, KV, R, D]. Row r sees keys 0 .. S-T+t.
@@ -39,14 +42,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    defined(__linux__)
-#define SPARSEDRAFT_TILES 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define SPARSEDRAFT_TILES 0
-#endif
+#include "tiles.h"
 
 namespace {
 
@@ -541,23 +537,6 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
 // dims per tile) and only the small query block is rearranged (qv below, once per call). The weighted
 // sum o = P V takes P [rows][keys] from the row layout's softmax by a 16x16 transpose per block, and
 // the values with key pairs interleaved (the tile unit's operand layout), made per chunk.
-bool tiles_granted() {  // Linux hands out AMX's 8 KB of tile state only on request, once per process
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {  // every tile 16 rows of 64 bytes; per thread, and oneDNN may have set its own
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-  _tile_loadconfig(&config);
-}
-
 // qv[qb][ds][p][n][e] = q[16 qb + n][32 ds + 2p + e]: the query rows as the tile unit's second operand,
 // zero beyond R rows. q holds one head's [R][D] rows.
 void pack_queries(const uint16_t* q, int64_t R, int64_t rp, int64_t D, uint16_t* qv) {
@@ -754,11 +733,9 @@ void merge_row(const Shape& sh, const float* o, const float* m, const float* l, 
 
 // Whether bf16 attention with head_dim D runs on tiles: built, granted, and D a whole number of tile
 // columns. It depends on nothing a step's length changes, so decodes and verifications agree.
-std::atomic<bool> tiles_allowed{true};  // allow_tiles(false): the same build without them (benches, tests)
-
 bool takes_tiles(int64_t D) {
 #if SPARSEDRAFT_TILES
-  return D % 32 == 0 && tiles_allowed.load(std::memory_order_relaxed) && tiles_granted();
+  return D % 32 == 0 && tiles_on();
 #else
   (void)D;
   return false;
@@ -874,15 +851,3 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor&
 
 int64_t attend_chunk() { return kChunk; }
 
-// 1: bf16 attention runs on AMX tiles (head_dim a multiple of 32); 0: not built for them or turned off;
-// -1: built, but the OS refused the tile state.
-int64_t attend_tiles() {
-#if SPARSEDRAFT_TILES
-  if (!tiles_allowed.load()) return 0;
-  return tiles_granted() ? 1 : -1;
-#else
-  return 0;
-#endif
-}
-
-void attend_allow_tiles(bool allow) { tiles_allowed.store(allow); }

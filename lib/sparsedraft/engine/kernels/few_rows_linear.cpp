@@ -12,6 +12,9 @@
 // of a verification step has, bit for bit, the value the same row gets in a one-row decode step.
 // torch's own kernels give no such promise (fp32 rows differ between M = 1 and M = 8).
 //
+// bf16 on an AMX build (K a multiple of 32) runs on tiles instead (tile_rows): its own bits, the same
+// contract. Verification is where that matters: 8 rows at fp32 arithmetic cost twice a decode in bf16.
+//
 // Layouts: x [..., K] (M rows in all) contiguous, w [N, K] contiguous (the Hugging Face layout, nothing
 // repacked), bias [N] or empty, all one dtype (float32 or bfloat16); out [..., N] in that dtype,
 // accumulated in float32 and rounded once.
@@ -23,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "tiles.h"
 
 namespace {
 
@@ -231,6 +236,56 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
   }
 }
 
+#if SPARSEDRAFT_TILES
+// bf16 on AMX tiles (K a multiple of 32): y^T = W x^T, so the weight rows load into tiles as they lie and
+// only x is rearranged (xv, once per call: xv[kc][p][m][e] = x[m][32 kc + 2 p + e], rows past M zero).
+// Output (m, n) is the tile unit's fixed sum over each 32 k, those sums added in k order: the same
+// whatever M is, but not the vector path's bits. Weight rows [n0, n1) in blocks of 16, the last one
+// zero-padded (so which rows take tiles never depends on how the rows were split between threads).
+void tile_rows(const uint16_t* xv, const uint16_t* w, int64_t k_len, int64_t m_len, int64_t n0, int64_t n1,
+               float* yf, int64_t n_len) {
+  thread_local std::vector<uint16_t> pad;
+  alignas(64) float c[16][16];
+  configure_tiles();
+  for (int64_t n = n0; n < n1; n += 16) {
+    const uint16_t* wn = w + n * k_len;
+    if (n + 16 > n1) {
+      pad.assign(16 * k_len, 0);
+      std::memcpy(pad.data(), wn, (n1 - n) * k_len * sizeof(uint16_t));
+      wn = pad.data();
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    int64_t k = 0;  // two accumulators over alternate 32-k steps keep two products in flight; fixed order
+    for (; k + 64 <= k_len; k += 64) {
+      _tile_loadd(2, wn + k, k_len * 2);
+      _tile_loadd(4, xv + k * 16, 64);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_loadd(3, wn + k + 32, k_len * 2);
+      _tile_loadd(5, xv + (k + 32) * 16, 64);
+      _tile_dpbf16ps(1, 3, 5);
+    }
+    if (k < k_len) {
+      _tile_loadd(2, wn + k, k_len * 2);
+      _tile_loadd(4, xv + k * 16, 64);
+      _tile_dpbf16ps(0, 2, 4);
+    }
+    _tile_stored(0, c, 64);
+    alignas(64) float c1[16][16];
+    _tile_stored(1, c1, 64);
+    for (int64_t j = 0; j < 16 && n + j < n1; ++j)
+      for (int64_t m = 0; m < m_len; ++m) yf[m * n_len + n + j] = c[j][m] + c1[j][m];
+  }
+  _tile_release();
+}
+
+void pack_rows(const uint16_t* x, int64_t m_len, int64_t k_len, uint16_t* xv) {
+  std::fill(xv, xv + 16 * k_len, uint16_t{0});
+  for (int64_t m = 0; m < m_len; ++m)
+    for (int64_t k = 0; k < k_len; ++k) xv[(k / 32 * 16 + k % 32 / 2) * 32 + m * 2 + k % 2] = x[m * k_len + k];
+}
+#endif
+
 template <typename W>
 using RowsFn = void (*)(const float*, const W*, int64_t, int64_t, int64_t, float*, int64_t, bool);
 
@@ -266,6 +321,17 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
   const float* xp = xf.data_ptr<float>();
   float* yp = yf.data_ptr<float>();
   const auto ms = std::make_integer_sequence<int, kMaxRows>{};
+#if SPARSEDRAFT_TILES
+  if (x.scalar_type() == at::kBFloat16 && !codes && k_len % 32 == 0 && tiles_on()) {
+    std::vector<uint16_t> xv(16 * k_len);
+    const auto xc = x.contiguous();
+    pack_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), m_len, k_len, xv.data());
+    auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
+      tile_rows(xv.data(), wp, k_len, m_len, n0, n1, yp, n_len);
+    });
+  } else
+#endif
   at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
     if (codes) {
       pick<int8_t>(m_len, ms)(xp, w.data_ptr<int8_t>(), k_len, n0, n1, yp, n_len, paired);

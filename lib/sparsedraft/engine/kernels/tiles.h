@@ -1,0 +1,44 @@
+// AMX tiles, shared by the attention and the few-row linear: whether the build has them, the OS's grant,
+// the one tile layout both use, and the switch that turns them off (benches' A/B, tests).
+//
+// Built where the compiler targets AMX-BF16 (-march=native on such a CPU); used once Linux grants the
+// process the tile state. A tile product adds each (row, column)'s products in one fixed order whatever
+// else the tiles hold, so rows padded with zeros or computed beside others keep their bits: the
+// exactness contract (a row's result independent of the step's length) holds on tiles as elsewhere.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+#define SPARSEDRAFT_TILES 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define SPARSEDRAFT_TILES 0
+#endif
+
+inline std::atomic<bool> tiles_allowed{true};  // allow_tiles(false): the same build's vector code instead
+
+#if SPARSEDRAFT_TILES
+inline bool tiles_granted() {  // Linux hands out AMX's 8 KB of tile state only on request, once per process
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles() {  // every tile 16 rows of 64 bytes; per thread, and oneDNN may have set its own
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+inline bool tiles_on() { return tiles_allowed.load(std::memory_order_relaxed) && tiles_granted(); }
+#endif
