@@ -47,6 +47,14 @@ def test_render_table_gives_one_line_per_method_row(tmp_path):
                         "[tri.json](docs/results/tri.json) |")
 
 
+def test_the_model_cell_names_a_dtype_other_than_fp32(tmp_path):
+    record = _record(tmp_path)
+    record.update(commit="0123456789abcdef", dirty=False, date="2026-12-03T21:00:00Z")
+    assert "| smollm2-135m |" in render_table([("tri.json", record)])  # no dtype in the config: fp32
+    record["result"]["config"]["dtype"] = "bf16"
+    assert "| smollm2-135m bf16 |" in render_table([("tri.json", record)])
+
+
 @pytest.mark.parametrize("field", ["commit", "date", "machine", "command"])
 def test_a_record_missing_a_field_is_refused(tmp_path, field):
     _record(tmp_path, drop=field)

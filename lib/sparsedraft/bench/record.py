@@ -157,8 +157,9 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
         match = {True: "yes", False: "**no**", None: "-"}[row.get("tokens_match")]
         law = "greedy" if c["temperature"] == 0 else f"T {c['temperature']}, top-p {c['top_p']}"
         options = _options(row, resolved)
-        out.append([f"{row['method']} ({options})" if options else row["method"], c["model"],
-                    f"{result['prompt_len']:,}", f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
+        dtype = c.get("dtype", "fp32")  # the model cell names a dtype other than fp32 (records before it: fp32)
+        out.append([f"{row['method']} ({options})" if options else row["method"],
+                    c["model"] if dtype == "fp32" else f"{c['model']} {dtype}", f"{result['prompt_len']:,}", f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
                     f"{row['ms_per_token']:.1f}", f"**{row['speedup']:.2f}x**", _acceptance(row), match,
                     f"{record['date'][:10]}, {record['commit'][:7]}{'+' if record['dirty'] else ''}",
                     f"{m['isa']}{threads}, {m['read_gb_s']:.1f} GB/s{load}", f"[{name}](docs/results/{name})"])
