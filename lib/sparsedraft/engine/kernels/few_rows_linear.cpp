@@ -316,9 +316,7 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
               "few_rows_linear takes CPU tensors and a contiguous weight");
   auto out_sizes = x.sizes().vec();  // x's leading dims, then N: the caller reshapes nothing
   out_sizes.back() = n_len;
-  auto xf = x.to(at::kFloat).contiguous();
   auto yf = at::empty(out_sizes, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
   float* yp = yf.data_ptr<float>();
   const auto ms = std::make_integer_sequence<int, kMaxRows>{};
 #if SPARSEDRAFT_TILES
@@ -332,6 +330,9 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
     });
   } else
 #endif
+  {
+  const auto xf = x.to(at::kFloat).contiguous();  // the vector paths read x in float32 (a copy per call)
+  const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
     if (codes) {
       pick<int8_t>(m_len, ms)(xp, w.data_ptr<int8_t>(), k_len, n0, n1, yp, n_len, paired);
@@ -342,6 +343,7 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
       pick<uint16_t>(m_len, ms)(xp, wp, k_len, n0, n1, yp, n_len, paired);
     }
   });
+  }
   if (codes) yf.mul_(scale.contiguous().view({1, n_len}));  // after the sum: the same for every M
   if (bias.defined() && bias.numel() > 0) {
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_len, "bias must be [N]");
