@@ -16,11 +16,13 @@ gets one warning naming the reason and ``available() == False``; callers then ke
 Which vector path runs is chosen here, at run time, from what this CPU reports: by default
 (``auto``) the build targets it with ``-march=native`` (AVX-512, AVX2+FMA, NEON ... whatever it
 has). ``SPARSEDRAFT_KERNEL_ISA`` (or :func:`use_isa`) forces one of :data:`ISA_FLAGS` instead:
-``avx512``, ``avx2`` (AVX2+FMA) or ``portable`` (no vector extension beyond the architecture's
-baseline), so a test or a bench can run the path another machine would, and a path the CPU lacks
-is one clear error rather than an illegal instruction. Where the build targets AMX-BF16 (``auto`` on a
-CPU that has it) and Linux grants the tile state, bf16 attention with head_dim a multiple of 32 runs on
-AMX tiles (:func:`use_tiles` turns them off for an A/B). Every path keeps the same contract (each row's
+``avx512``, ``avx512bf16`` (AVX-512 with bf16 dot products, no AMX), ``avx2`` (AVX2+FMA) or
+``portable`` (no vector extension beyond the architecture's baseline), so a test or a bench can run
+the path another machine would, and a path the CPU lacks is one clear error rather than an illegal
+instruction. Where the build targets AMX-BF16 (``auto`` on a CPU that has it) and Linux grants the tile
+state, bf16 attention (head_dim a multiple of 32) and the bf16 few-row linear (K a multiple of 32) run on
+AMX tiles (:func:`use_tiles` turns them off for an A/B); elsewhere a build with AVX512-BF16 runs the bf16
+linear on its dot products. Every path keeps the same contract (each row's
 bits independent of the step's length); bits differ between paths, since FMA rounds once and the tiles
 round the softmax weights to bf16.
 
@@ -66,10 +68,13 @@ _COMMON = ["-O3", "-ffp-contract=off", "-fopenmp"]
 ISA_FLAGS = {
     "avx512": [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                "-mprefer-vector-width=512"],
+    "avx512bf16": [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2",
+                   "-mfma", "-mf16c", "-mprefer-vector-width=512"],
     "avx2": [*_COMMON, "-mavx2", "-mfma", "-mf16c"],
     "portable": list(_COMMON),
 }
-ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}, "avx2": {"avx2", "fma"},
+ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
+             "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"}, "avx2": {"avx2", "fma"},
              "portable": set()}
 ISA_CHOICES = ("auto", *ISA_FLAGS)
 DTYPES = (torch.float32, torch.bfloat16)
