@@ -45,6 +45,7 @@ from ..engine.cache import StaticCache
 from ..engine.data import Tokenizer, corpus_tokens
 from ..engine.model import Capture, Transformer, gemm_batches
 from ..engine.prefill import prefill
+from ..engine.runtime import mapped_blocks
 from ..errors import require
 from ..progress import bar
 from .teacher import corpus_windows
@@ -167,9 +168,10 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
     if not path.is_file():
         require(compute, f"the sampled continuations are not cached (expected {path}); run once without "
                          "--no-teacher")
-        parts = [continue_with_teacher(target, prompts[i:i + batch], new_tokens, temperature, seed + i,
-                                       exact=False)
-                 for i in bar(range(0, count, batch), desc="sampled", unit="batch", show=progress)]
+        with mapped_blocks():  # else the heap grows without bound over the decode steps (runtime.py says why)
+            parts = [continue_with_teacher(target, prompts[i:i + batch], new_tokens, temperature, seed + i,
+                                           exact=False)
+                     for i in bar(range(0, count, batch), desc="sampled", unit="batch", show=progress)]
         save_tensors({k: torch.cat([part[k] for part in parts]) for k in parts[0]}, path,
                      {"key": json.dumps(key, sort_keys=True, default=str)})
     stored = load_file(str(path))

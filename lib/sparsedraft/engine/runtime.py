@@ -3,8 +3,11 @@ the benchmarks and the notebooks, so ``--dtype bf16 --device auto`` means the sa
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import resource
 import sys
+from typing import Iterator
 
 import torch
 
@@ -42,3 +45,31 @@ def peak_rss_gb() -> float:
     macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _mallopt_threshold(nbytes: int) -> bool:
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, nbytes))
+
+
+@contextlib.contextmanager
+def mapped_blocks(nbytes: int = 1 << 20, after: int = 32 << 20) -> Iterator[bool]:
+    """Inside: every block of ``nbytes`` or more is its own mapping, returned to the OS when freed; after:
+    the threshold stays at ``after`` (glibc's own ceiling), fixed. Why: once a block below 32 MB has been
+    freed, glibc serves later blocks of that size from its heap, where a long loop of step-sized tensors
+    fragments it. Drafter training's sampling grew ~90 MB/s there once its teacher windows had been computed
+    in the same process (past 24 GB on a 2-core AMX machine, 2026-12-05) and stayed at 4.1 GB with the
+    threshold at 1 MB. Yields whether the C library took it (False where it is not glibc)."""
+    taken = _mallopt_threshold(nbytes)
+    try:
+        yield taken
+    finally:
+        if taken:
+            _mallopt_threshold(after)
