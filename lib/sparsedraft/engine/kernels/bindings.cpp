@@ -46,7 +46,8 @@ int64_t tiles() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "GQA decode/verification attention over a KV cache (see decode_attention.cpp)");
   m.attr("chunk") = attend_chunk();
-  m.def("allow_tiles", [](bool allow) { tiles_allowed.store(allow); }, "let bf16 attention use AMX tiles where built (default) or not");
+  m.def("allow_tiles", [](bool allow) { tiles_allowed.store(allow); },
+        "let bf16 attention and linear use AMX tiles where built (default) or not");
   m.def("tiles", &tiles, "1: bf16 attention and few-row linear on AMX tiles; 0: not built or off; -1: refused");
   m.attr("vector_path") = vector_path();
   m.def("linear", &few_rows_linear, "x W^T (+ b) for 1..16 rows, each weight read once (few_rows_linear.cpp)");

@@ -69,70 +69,78 @@ inline float madd(float a, float b, float c) {
 #endif
 }
 
-// 2^x for x <= 0 (the scores minus their max); 0 below 2^-126 and for -inf. Plain arithmetic the
-// compiler vectorises: round to an integer n by the 1.5*2^23 trick, a degree-7 polynomial for 2^f on
-// f in [-0.5, 0.5] (truncation error 5e-9), then n goes into the exponent bits.
+// 2^x for x <= 0 (the scores minus their max); 0 below 2^-126 and for -inf. Round to an integer n by the
+// 1.5*2^23 trick, a degree-7 polynomial for 2^f on f in [-0.5, 0.5] (truncation error 5e-9, coefficients
+// from the highest power down), then n goes into the exponent bits.
+constexpr float kExp2Poly[] = {1.525273380405984e-05f, 1.5403530393381606e-04f, 1.3333558146428443e-03f,
+                               9.618129107628477e-03f, 5.550410866482158e-02f,  2.402265069591007e-01f,
+                               6.931471805599453e-01f, 1.0f};
+
 inline float exp2_nonpositive(float x) {
   const float xc = x > -127.0f ? x : -127.0f;
   const float magic = 12582912.0f;
   const float n = (xc + magic) - magic;
   const float f = xc - n;
-  float p = 1.525273380405984e-05f;
-  p = madd(p, f, 1.5403530393381606e-04f);
-  p = madd(p, f, 1.3333558146428443e-03f);
-  p = madd(p, f, 9.618129107628477e-03f);
-  p = madd(p, f, 5.550410866482158e-02f);
-  p = madd(p, f, 2.402265069591007e-01f);
-  p = madd(p, f, 6.931471805599453e-01f);
-  p = madd(p, f, 1.0f);
+  float p = kExp2Poly[0];
+  for (int i = 1; i < 8; ++i) p = madd(p, f, kExp2Poly[i]);
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return x < -126.0f ? 0.0f : p * scale;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp2_nonpositive on 8 lanes, written out because the compiler leaves the scalar form unvectorised:
-// the same operations in the same order (its comparisons as MAXPS, which keeps the second operand
-// unless the first is greater, and a blend), so every lane gets the scalar call's bits.
-inline __m256 exp2_nonpositive8(__m256 x) {
-  const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
-  const __m256 magic = _mm256_set1_ps(12582912.0f);
-  const __m256 n = _mm256_sub_ps(_mm256_add_ps(xc, magic), magic);
-  const __m256 f = _mm256_sub_ps(xc, n);
-  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ));
+// exp2_nonpositive on a vector of lanes, written out because the compiler leaves the scalar form
+// unvectorised: the same operations in the same order (its comparison as MAXPS, which keeps the second
+// operand unless the first is greater, and a select), so every lane gets the scalar call's bits. O is the
+// vector width's operations (Lanes8 for AVX2+FMA, Lanes16 for AVX-512).
+template <class O>
+inline typename O::V exp2_nonpositive_lanes(typename O::V x) {
+  using V = typename O::V;
+  const V xc = O::max(x, O::set(-127.0f));
+  const V magic = O::set(12582912.0f);
+  const V n = O::sub(O::add(xc, magic), magic);
+  const V f = O::sub(xc, n);
+  V p = O::set(kExp2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = O::fmadd(p, f, O::set(kExp2Poly[i]));
+  return O::zero_below(O::mul(p, O::pow2(n)), x, -126.0f);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+struct Lanes8 {
+  using V = __m256;
+  static V set(float a) { return _mm256_set1_ps(a); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V pow2(V n) {  // 2^n for whole n in [-127, 0], through the exponent bits
+    const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
+  static V zero_below(V y, V x, float t) {
+    return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, set(t), _CMP_LT_OQ));
+  }
+};
 #endif
 
 #if defined(__AVX512F__)
-// The same on 16 lanes, for builds with AVX-512 (a mask in place of the blend).
-inline __m512 exp2_nonpositive16(__m512 x) {
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(xc, magic), magic);
-  const __m512 f = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
-}
+struct Lanes16 {
+  using V = __m512;
+  static V set(float a) { return _mm512_set1_ps(a); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V pow2(V n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  }
+  static V zero_below(V y, V x, float t) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set(t), _CMP_LT_OQ), y, _mm512_setzero_ps());
+  }
+};
 #endif
 
 inline float bf16_to_float(uint16_t h) {
@@ -162,10 +170,11 @@ struct Shape {
 inline void exp2_lanes(float* v, const float* m) {
 #if defined(__AVX512F__)
   static_assert(kLanes == 16);
-  _mm512_storeu_ps(v, exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(v), _mm512_loadu_ps(m))));
+  _mm512_storeu_ps(v, exp2_nonpositive_lanes<Lanes16>(_mm512_sub_ps(_mm512_loadu_ps(v), _mm512_loadu_ps(m))));
 #elif defined(__AVX2__) && defined(__FMA__)
   for (int64_t x = 0; x < kLanes; x += 8)
-    _mm256_storeu_ps(v + x, exp2_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(v + x), _mm256_loadu_ps(m + x))));
+    _mm256_storeu_ps(v + x,
+                     exp2_nonpositive_lanes<Lanes8>(_mm256_sub_ps(_mm256_loadu_ps(v + x), _mm256_loadu_ps(m + x))));
 #else
 #pragma omp simd
   for (int64_t x = 0; x < kLanes; ++x) v[x] = exp2_nonpositive(v[x] - m[x]);

@@ -13,7 +13,8 @@
 // torch's own kernels give no such promise (fp32 rows differ between M = 1 and M = 8).
 //
 // bf16 on an AMX build (K a multiple of 32) runs on tiles instead (tile_rows), and elsewhere on a build with
-// AVX512-BF16 on its dot products (dot_rows): each its own bits, the same contract. Verification is where that matters: 8 rows at fp32 arithmetic cost twice a decode in bf16.
+// AVX512-BF16 on its dot products (dot_rows): each its own bits, the same contract. Verification is where
+// that matters: 8 rows at fp32 arithmetic cost twice a decode in bf16.
 //
 // Layouts: x [..., K] (M rows in all) contiguous, w [N, K] contiguous (the Hugging Face layout, nothing
 // repacked), bias [N] or empty, all one dtype (float32 or bfloat16); out [..., N] in that dtype,
