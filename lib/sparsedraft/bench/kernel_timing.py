@@ -93,14 +93,15 @@ SMOLLM2_LINEARS = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), 
 
 
 def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2, repeats: int = 5,
-                read_gb_s: float = 0.0, peak_gflop_s: float = 0.0) -> list[dict]:
+                read_gb_s: float = 0.0, peak_gflop_s: float = 0.0, dtype: str = "fp32") -> list[dict]:
     """Median ms of one step's linear layers (``layers`` x SmolLM2's seven projections, then the head) for
-    ``rows`` fp32 rows, per path, with the roofline time when bandwidth and peak are given."""
+    ``rows`` rows of ``dtype``, per path, with the roofline time when bandwidth and peak are given."""
     require(1 <= rows <= MAX_LINEAR_ROWS, f"rows must be in 1..{MAX_LINEAR_ROWS}, got {rows}")
     gen = torch.Generator().manual_seed(rows)
     weights = [torch.randn(n, k, generator=gen) / k ** 0.5 for _ in range(layers) for n, k in SMOLLM2_LINEARS]
     weights.append(torch.randn(vocab, 576, generator=gen) / 24)
-    xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+    weights = [w.to(DTYPES[dtype]) for w in weights]
+    xs = {k: torch.randn(rows, k, generator=gen).to(DTYPES[dtype]) for k in (576, 1536)}
 
     def run(fn):
         def timed():
@@ -110,8 +111,17 @@ def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2
             return time.perf_counter() - start
         return timed
 
+    def no_tiles(x, w):  # bf16 on the same build's vector code (dot products or widening) instead of AMX tiles
+        before = use_tiles(False)
+        try:
+            return linear(x, w)
+        finally:
+            use_tiles(before)
+
     paths = {"torch F.linear": run(F.linear), "kernel": run(lambda x, w: linear(x, w)),
              "kernel, unpaired": run(lambda x, w: linear(x, w, paired=False))}
+    if dtype == "bf16" and on_tiles():
+        paths["kernel, no tiles"] = run(no_tiles)
     with torch.inference_mode():
         runs = interleaved_runs(paths, warmup, repeats)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
@@ -120,7 +130,7 @@ def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2
     out = []
     for name, seconds in runs.items():
         ms = median_ms(seconds)
-        out.append({"rows": rows, "method": name, "ms": round(ms, 2), "gflop_s": round(flops / ms / 1e6, 1),
+        out.append({"rows": rows, "dtype": dtype, "method": name, "ms": round(ms, 2), "gflop_s": round(flops / ms / 1e6, 1),
                     "weight_gb_s": round(nbytes / ms / 1e6, 1), "roofline_ms": round(roof, 2) if roof else None,
                     "over_roofline": round(ms / roof, 2) if roof else None})
     return out
@@ -130,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, nargs="+", default=[8000, 32000])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES),
+                        help="attention dtypes, or with --linear the rows' and weights' dtypes")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--linear", type=int, nargs="*", metavar="ROWS", default=None,
                         help="time the few-row linear kernel instead, at these step sizes (default 1 2 4 8 16)")
@@ -167,16 +178,18 @@ def _main_linear(args, argv: list[str] | None) -> None:
     steps = args.linear or [1, 2, 4, 8, 16]
     started = provenance()
     read = measure_read_bandwidth() / 1e9
-    peak = peak_gflops(["fp32"])["fp32"]
-    rows = [row for m in steps for row in time_linear(m, repeats=args.repeats, read_gb_s=read, peak_gflop_s=peak)]
-    print(f"kernels: {path()}; read {read:.1f} GB/s, fp32 peak {peak:.1f} GFLOP/s, {torch.get_num_threads()} threads")
-    print(f"{'rows':>4} {'method':>17} {'ms':>8} {'GFLOP/s':>8} {'W GB/s':>7} {'roofline':>8} {'x roof':>6}")
+    peaks = peak_gflops(list(args.dtype))
+    rows = [row for dtype in args.dtype for m in steps
+            for row in time_linear(m, repeats=args.repeats, read_gb_s=read, peak_gflop_s=peaks[dtype], dtype=dtype)]
+    shown = ", ".join(f"{d} peak {peaks[d]:.1f} GFLOP/s" for d in args.dtype)
+    print(f"kernels: {path()}; read {read:.1f} GB/s, {shown}, {torch.get_num_threads()} threads")
+    print(f"{'rows':>4} {'dtype':>5} {'method':>17} {'ms':>8} {'GFLOP/s':>8} {'W GB/s':>7} {'roofline':>8} {'x roof':>6}")
     for row in rows:
-        print(f"{row['rows']:>4} {row['method']:>17} {row['ms']:>8.2f} {row['gflop_s']:>8.1f} "
+        print(f"{row['rows']:>4} {row['dtype']:>5} {row['method']:>17} {row['ms']:>8.2f} {row['gflop_s']:>8.1f} "
               f"{row['weight_gb_s']:>7.1f} {row['roofline_ms']:>8.2f} {row['over_roofline']:>6.2f}")
     result = {"bench": "kernel_timing", "kind": "linear", "isa": best_isa(cpu_flags()), "read_gb_s": read,
-              "peak_gflops": {"fp32": round(peak, 1)}, "threads": torch.get_num_threads(), "kernels": path(),
-              "rows": rows}
+              "peak_gflops": {d: round(peaks[d], 1) for d in args.dtype}, "threads": torch.get_num_threads(),
+              "kernels": path(), "rows": rows}
     if args.record:
         print(f"record written to {write_module_record(args.record, 'kernel_timing', argv, result, started, read)}",
               file=sys.stderr)
