@@ -543,18 +543,9 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
 // softmax weights are rounded to bf16 before they weigh the values, as flash attention does on GPUs).
 //
 // Scores come out transposed, s^T = K Q^T, so the cached keys load into tiles as they lie (16 keys x 32
-// dims per tile) and only the small query block is rearranged (qv below, once per call). The weighted
+// dims per tile) and only the small query block is rearranged (pack_operand, once per call). The weighted
 // sum o = P V takes P [rows][keys] from the row layout's softmax by a 16x16 transpose per block, and
 // the values with key pairs interleaved (the tile unit's operand layout), made per chunk.
-// qv[qb][ds][p][n][e] = q[16 qb + n][32 ds + 2p + e]: the query rows as the tile unit's second operand,
-// zero beyond R rows. q holds one head's [R][D] rows.
-void pack_queries(const uint16_t* q, int64_t R, int64_t rp, int64_t D, uint16_t* qv) {
-  std::fill(qv, qv + rp * D, uint16_t{0});
-  const int64_t DS = D / 32;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d)
-      qv[(((r / 16) * DS + d / 32) * 16 + d % 32 / 2) * 32 + r % 16 * 2 + d % 2] = q[r * D + d];
-}
 
 // out[c] = column c of the 16x16 block in[0..15] (rows to columns), exactly.
 inline void transpose16(const __m512 in[16], __m512 out[16]) {
@@ -628,7 +619,7 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
     std::copy(kc + j0 * D, kc + len * D, tail);
     return static_cast<const uint16_t*>(tail);
   };
-  if (D == 64 && rp <= 32) {  // the query tiles stay loaded; key blocks alternate tiles to overlap
+  if (D == 64 && rp <= 32) {  // the query tiles stay loaded across the chunk's key blocks
     _tile_loadd(4, qv, 64);
     _tile_loadd(5, qv + 512, 64);
     if (rp == 32) {
@@ -760,11 +751,11 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const bool tiles = std::is_same_v<scalar_t, at::BFloat16> && takes_tiles(D);
   std::vector<float> qt(tiles ? 0 : heads * D * rp, 0.0f);  // per head [D][rp]
-  std::vector<uint16_t> qv(tiles ? heads * D * rp : 0);     // per head, as pack_queries lays it out
+  std::vector<uint16_t> qv(tiles ? heads * D * rp : 0);     // per head, as pack_operand lays it out
   for (int64_t h = 0; h < heads; ++h) {
 #if SPARSEDRAFT_TILES
     if (tiles) {
-      pack_queries(reinterpret_cast<const uint16_t*>(qp) + h * R * D, R, rp, D, qv.data() + h * D * rp);
+      pack_operand(reinterpret_cast<const uint16_t*>(qp) + h * R * D, R, rp, D, qv.data() + h * D * rp);
       continue;
     }
 #endif
@@ -859,4 +850,3 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor&
 }
 
 int64_t attend_chunk() { return kChunk; }
-

@@ -239,7 +239,7 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
 
 #if SPARSEDRAFT_TILES
 // bf16 on AMX tiles (K a multiple of 32): y^T = W x^T, so the weight rows load into tiles as they lie and
-// only x is rearranged (xv, once per call: xv[kc][p][m][e] = x[m][32 kc + 2 p + e], rows past M zero).
+// only x is rearranged (pack_operand, once per call, its rows past M zero).
 // Output (m, n) is the tile unit's fixed sum over each 32 k, those sums added in k order: the same
 // whatever M is, but not the vector path's bits. Weight rows [n0, n1) in blocks of 16, the last one
 // zero-padded (so which rows take tiles never depends on how the rows were split between threads).
@@ -278,12 +278,6 @@ void tile_rows(const uint16_t* xv, const uint16_t* w, int64_t k_len, int64_t m_l
       for (int64_t m = 0; m < m_len; ++m) yf[m * n_len + n + j] = c[j][m] + c1[j][m];
   }
   _tile_release();
-}
-
-void pack_rows(const uint16_t* x, int64_t m_len, int64_t k_len, uint16_t* xv) {
-  std::fill(xv, xv + 16 * k_len, uint16_t{0});
-  for (int64_t m = 0; m < m_len; ++m)
-    for (int64_t k = 0; k < k_len; ++k) xv[(k / 32 * 16 + k % 32 / 2) * 32 + m * 2 + k % 2] = x[m * k_len + k];
 }
 #endif
 
@@ -377,7 +371,7 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
   if (x.scalar_type() == at::kBFloat16 && !codes && k_len % 32 == 0 && tiles_on()) {
     std::vector<uint16_t> xv(16 * k_len);
     const auto xc = x.contiguous();
-    pack_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), m_len, k_len, xv.data());
+    pack_operand(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), m_len, 16, k_len, xv.data());
     auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
       tile_rows(xv.data(), wp, k_len, m_len, n0, n1, yp, n_len);
