@@ -1,10 +1,11 @@
 """Time the C++ attention kernel against torch SDPA on SmolLM2-135M-shaped decode attention, and the kernel as
 it runs (keys as lanes for steps of at most ``kernels.KEY_ROWS`` rows per KV head) against its rows-as-lanes
-path alone, and, where bf16 attention runs on AMX tiles, against the same build's vector code. With ``--linear``, time instead the few-row linear kernel over every weight matrix of a
-SmolLM2-135M forward (30 layers' projections and the head, each its own matrix, so the weights come from
-memory) for steps of 1-16 rows: torch's ``F.linear``, the kernel as it runs (AVX2+FMA: rows in pairs past
-eight) and unpaired, each beside its roofline time max(weight bytes / read bandwidth, FLOPs / fp32 peak),
-both measured in this process.
+path alone, and, where bf16 attention runs on AMX tiles, against the same build's vector code. With
+``--linear``, time instead the few-row linear kernel over every weight matrix of a SmolLM2-135M forward (30
+layers' projections and the head, each its own matrix, so the weights come from memory) for steps of 1-16
+rows of each ``--dtype``: torch's ``F.linear``, the kernel as it runs (AVX2+FMA: rows in pairs past eight),
+unpaired, and for bf16 on AMX tiles the same build's vector code, each beside its roofline time
+max(weight bytes / read bandwidth, FLOPs / the dtype's peak), both measured in this process.
 
 Not a test (a test never asserts a wall-clock time): ``python -m sparsedraft.bench.kernel_timing``.
 Each step attends ``layers`` separate caches (so the KV comes from memory, as in a real forward),
@@ -130,7 +131,8 @@ def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2
     out = []
     for name, seconds in runs.items():
         ms = median_ms(seconds)
-        out.append({"rows": rows, "dtype": dtype, "method": name, "ms": round(ms, 2), "gflop_s": round(flops / ms / 1e6, 1),
+        out.append({"rows": rows, "dtype": dtype, "method": name, "ms": round(ms, 2),
+                    "gflop_s": round(flops / ms / 1e6, 1),
                     "weight_gb_s": round(nbytes / ms / 1e6, 1), "roofline_ms": round(roof, 2) if roof else None,
                     "over_roofline": round(ms / roof, 2) if roof else None})
     return out
@@ -183,7 +185,8 @@ def _main_linear(args, argv: list[str] | None) -> None:
             for row in time_linear(m, repeats=args.repeats, read_gb_s=read, peak_gflop_s=peaks[dtype], dtype=dtype)]
     shown = ", ".join(f"{d} peak {peaks[d]:.1f} GFLOP/s" for d in args.dtype)
     print(f"kernels: {path()}; read {read:.1f} GB/s, {shown}, {torch.get_num_threads()} threads")
-    print(f"{'rows':>4} {'dtype':>5} {'method':>17} {'ms':>8} {'GFLOP/s':>8} {'W GB/s':>7} {'roofline':>8} {'x roof':>6}")
+    print(f"{'rows':>4} {'dtype':>5} {'method':>17} {'ms':>8} {'GFLOP/s':>8} {'W GB/s':>7} {'roofline':>8} "
+          f"{'x roof':>6}")
     for row in rows:
         print(f"{row['rows']:>4} {row['dtype']:>5} {row['method']:>17} {row['ms']:>8.2f} {row['gflop_s']:>8.1f} "
               f"{row['weight_gb_s']:>7.1f} {row['roofline_ms']:>8.2f} {row['over_roofline']:>6.2f}")

@@ -159,7 +159,8 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
         options = _options(row, resolved)
         dtype = c.get("dtype", "fp32")  # the model cell names a dtype other than fp32 (records before it: fp32)
         out.append([f"{row['method']} ({options})" if options else row["method"],
-                    c["model"] if dtype == "fp32" else f"{c['model']} {dtype}", f"{result['prompt_len']:,}", f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
+                    c["model"] if dtype == "fp32" else f"{c['model']} {dtype}", f"{result['prompt_len']:,}",
+                    f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
                     f"{row['ms_per_token']:.1f}", f"**{row['speedup']:.2f}x**", _acceptance(row), match,
                     f"{record['date'][:10]}, {record['commit'][:7]}{'+' if record['dirty'] else ''}",
                     f"{m['isa']}{threads}, {m['read_gb_s']:.1f} GB/s{load}", f"[{name}](docs/results/{name})"])

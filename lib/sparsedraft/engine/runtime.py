@@ -47,7 +47,6 @@ def peak_rss_gb() -> float:
     return peak * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 
-
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 

@@ -22,9 +22,8 @@ the path another machine would, and a path the CPU lacks is one clear error rath
 instruction. Where the build targets AMX-BF16 (``auto`` on a CPU that has it) and Linux grants the tile
 state, bf16 attention (head_dim a multiple of 32) and the bf16 few-row linear (K a multiple of 32) run on
 AMX tiles (:func:`use_tiles` turns them off for an A/B); elsewhere a build with AVX512-BF16 runs the bf16
-linear on its dot products. Every path keeps the same contract (each row's
-bits independent of the step's length); bits differ between paths, since FMA rounds once and the tiles
-round the softmax weights to bf16.
+linear on its dot products. Every path keeps the same contract (each row's bits independent of the step's
+length); bits differ between paths, since FMA rounds once and the tiles round the softmax weights to bf16.
 
 :func:`supports` is the one question a caller asks (inputs, mask and build); :func:`attend_reference`
 is the oracle the tests hold it to.
@@ -65,16 +64,16 @@ FLAG_SETS = (
 )
 # Forced paths (SPARSEDRAFT_KERNEL_ISA / use_isa): the flags of each, and the CPU flags it needs.
 _COMMON = ["-O3", "-ffp-contract=off", "-fopenmp"]
+_AVX512 = [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+           "-mprefer-vector-width=512"]
+_AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}
 ISA_FLAGS = {
-    "avx512": [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-               "-mprefer-vector-width=512"],
-    "avx512bf16": [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2",
-                   "-mfma", "-mf16c", "-mprefer-vector-width=512"],
+    "avx512": _AVX512,
+    "avx512bf16": [*_AVX512, "-mavx512bf16"],  # bf16 dot products, no AMX: what such a CPU's build runs
     "avx2": [*_COMMON, "-mavx2", "-mfma", "-mf16c"],
     "portable": list(_COMMON),
 }
-ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
-             "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"}, "avx2": {"avx2", "fma"},
+ISA_NEEDS = {"avx512": _AVX512_NEEDS, "avx512bf16": _AVX512_NEEDS | {"avx512_bf16"}, "avx2": {"avx2", "fma"},
              "portable": set()}
 ISA_CHOICES = ("auto", *ISA_FLAGS)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -140,8 +139,9 @@ def _cpu_fingerprint() -> str:
 
 def build_key(flags: list[str]) -> str:
     """Hash of everything that makes a built module reusable; names its folder and module."""
-    parts = [*(source.read_bytes() for source in (*SOURCES, *HEADERS)), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode(),
-             platform.machine().encode(), os.environ.get("CXX", "c++").encode(), _cpu_fingerprint().encode()]
+    parts = [*(source.read_bytes() for source in (*SOURCES, *HEADERS)), " ".join(flags).encode(),
+             torch.__version__.encode(), sys.version.encode(), platform.machine().encode(),
+             os.environ.get("CXX", "c++").encode(), _cpu_fingerprint().encode()]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(hashlib.sha256(part).digest())
@@ -201,9 +201,10 @@ def available() -> bool:
 
 
 def use_tiles(on: bool) -> bool:
-    """Let bf16 attention run on AMX tiles where the build has them and the OS grants them (the default), or
-    keep it on the same build's vector code, so a bench or a test can run both in one process. Bits differ
-    between the two, so a generation must not switch midway. Returns the previous choice."""
+    """Let bf16 attention and the bf16 few-row linear run on AMX tiles where the build has them and the OS
+    grants them (the default), or keep them on the same build's vector code, so a bench or a test can run both
+    in one process. Bits differ between the two, so a generation must not switch midway. Returns the previous
+    choice."""
     global _tiles
     before, _tiles = _tiles, bool(on)
     if _module is not None:
@@ -212,7 +213,8 @@ def use_tiles(on: bool) -> bool:
 
 
 def on_tiles() -> bool:
-    """Whether bf16 attention (head_dim a multiple of 32) runs on AMX tiles here; builds like :func:`available`."""
+    """Whether bf16 attention (head_dim a multiple of 32) and the bf16 few-row linear (K a multiple of 32) run
+    on AMX tiles here; builds like :func:`available`."""
     return available() and _module.tiles() == 1
 
 
