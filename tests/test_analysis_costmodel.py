@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from sparsedraft.analysis.costmodel import (WALKTHROUGH_COSTS, HierarchySetup, LevelCosts, acceptance_sweep,
-                                            build_schedule, expected_tokens_per_verify,
+                                            build_schedule, expected_tokens_per_verify, measured_level_costs,
                                             predict_ms_per_token, predict_two_level, speedup_vs_context,
                                             walkthrough_collapse_schedule, walkthrough_normal_schedule)
 from sparsedraft.errors import SparsedraftError
@@ -171,3 +171,23 @@ def test_acceptance_sweep_validates():
         acceptance_sweep(WALKTHROUGH_COSTS, [[2, 6]], 1)
     with pytest.raises(SparsedraftError, match=r"pairs, got \[\[2, 6, 1\]\]"):
         acceptance_sweep(WALKTHROUGH_COSTS, [[2, 6, 1]], 11)
+
+
+def test_a_runs_predicted_speedup_is_the_cost_model_over_its_own_parts():
+    from sparsedraft.analysis.costmodel import predicted_speedup
+    # Two levels: 10 verifications of gamma 4 (draft 2 ms per token, verify 30 ms, 1 ms of bookkeeping each)
+    rounds = {"target": {"4": [2, 2, 2, 2, 2]}}  # kept 20, rejected 8: alpha 20 / 28
+    two = predicted_speedup({"gamma": 4}, {"draft": 0.08, "verify": 0.3}, {"target": 40}, {"target": 10}, rounds,
+                            0.39, 50.0)
+    expected = predict_two_level(2.0, 30.0, 4, 20 / 28, overhead_ms=1.0)
+    assert two == pytest.approx(50.0 / expected.ms_per_token)
+    # Three levels: the same quantities measured_level_costs and predict_ms_per_token take in notebook 05
+    seconds = {"level2_draft": 0.01, "level2_verify": 0.2, "draft": 0.21, "verify": 0.5}
+    drafted, verifications = {"level2": 40, "target": 60}, {"level2": 20, "target": 10}
+    tri_rounds = {"level2": {"2": [5, 5, 10]}, "target": {"6": [1, 1, 1, 1, 1, 1, 4]}}
+    three = predicted_speedup({"gamma1": 2, "gamma2": 6}, seconds, drafted, verifications, tri_rounds, 0.75, 80.0)
+    costs, overhead = measured_level_costs(seconds, drafted, verifications, 0.75)
+    alpha1, alpha2 = 25 / 35, (sum(k for k in range(6)) + 6 * 4) / (sum(k for k in range(6)) + 6 * 4 + 6)
+    assert three == pytest.approx(80.0 / predict_ms_per_token(costs, 2, 6, alpha1, alpha2, overhead_ms=overhead,
+                                                              overshoot=False).ms_per_token)
+    assert predicted_speedup({}, {}, {}, {}, {}, 0.0, 50.0) is None  # plain decoding: no drafts, no alpha

@@ -49,6 +49,17 @@ def test_every_method_has_a_row_with_sound_numbers(every_method):
     assert result.row("retrieval").options == {"budget": 64, "gamma": 3}
 
 
+def test_each_method_row_carries_the_cost_models_speedup_from_its_own_parts(every_method):
+    from sparsedraft.analysis.costmodel import predicted_speedup
+    ar = every_method.row("ar")
+    assert ar.predicted_speedup is None
+    for row, (_, options) in zip(every_method.rows[1:], METHODS):
+        gammas = {k: v for k, v in options.items() if k.startswith("gamma")}
+        assert row.predicted_speedup == predicted_speedup(gammas, row.seconds, row.drafted, row.verifications,
+                                                          row.rounds, row.decode_s, ar.ms_per_token) > 0, row.method
+    assert "model" in every_method.table().splitlines()[2]
+
+
 def test_frame_records_and_json_hold_the_same_numbers(every_method):
     result = every_method
     frame = result.frame()

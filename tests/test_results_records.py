@@ -47,6 +47,25 @@ def test_render_table_gives_one_line_per_method_row(tmp_path):
                         "[tri.json](docs/results/tri.json) |")
 
 
+def test_a_compare_row_shows_the_cost_models_speedup_beside_the_measured_one(tmp_path):
+    from sparsedraft.analysis.costmodel import predicted_speedup
+    record = _record(tmp_path)
+    record.update(commit="0123456789abcdef", dirty=False, date="2026-12-03T21:00:00Z")
+    tri = record["result"]["rows"][1]
+    tri["predicted_speedup"] = 1.3125
+    assert "| **1.25x** (model 1.31x) |" in render_table([("tri.json", record)])
+    del tri["predicted_speedup"]  # a record from before compare stored it: the same model over the parts it kept
+    parts = dict(seconds={"draft": 0.08, "verify": 0.3}, drafted={"target": 40}, verifications={"target": 10},
+                 rounds={"target": {"4": [2, 2, 2, 2, 2]}}, decode_s=0.39)
+    tri.update(method="spec", **parts)
+    assert "| **1.25x** |" in render_table([("tri.json", record)])  # no resolved gamma: no prediction
+    record["result"]["resolved_options"] = {"spec": {"gamma": 4}}
+    value = predicted_speedup({"gamma": 4}, *parts.values(), 50.0)
+    assert f"| **1.25x** (model {value:.2f}x) |" in render_table([("tri.json", record)])
+    record["result"]["config"]["batch"] = 2
+    assert "| **1.25x** |" in render_table([("tri.json", record)])  # a batch: no model
+
+
 def test_the_model_cell_names_a_dtype_other_than_fp32(tmp_path):
     record = _record(tmp_path)
     record.update(commit="0123456789abcdef", dirty=False, date="2026-12-03T21:00:00Z")

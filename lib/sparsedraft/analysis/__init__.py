@@ -22,7 +22,7 @@ from ..engine.roofline import (HARDWARE, MODELS, Hardware, bytes_per_token_table
 from .acceptance import BurstinessTest, burstiness_test, fit_alpha
 from .costmodel import (WALKTHROUGH_COSTS, HierarchySetup, LevelCosts, Prediction, Schedule, Step, acceptance_sweep,
                         build_schedule, expected_tokens_per_verify, measured_level_costs, predict_ms_per_token,
-                        predict_two_level, speedup_vs_context, walkthrough_collapse_schedule,
+                        predict_two_level, predicted_speedup, speedup_vs_context, walkthrough_collapse_schedule,
                         walkthrough_normal_schedule)
 from .explore import Exploration, explore, explore_figures, typical_schedule
 from .locality import LocalityConfig, LocalityResult, contextual_locality
@@ -35,6 +35,6 @@ __all__ = [
     "contextual_locality", "crossover_context", "expected_tokens_per_verify", "explore", "explore_figures",
     "fig1_table", "fit_alpha", "flops_per_token_table", "footprint_bytes", "ideal_latency_ms", "last_positions",
     "latency_table", "measure_read_bandwidth", "measured_level_costs", "parameter_count", "predict_ms_per_token",
-    "predict_two_level", "speedup_vs_context", "summarize_recovery", "this_machine", "typical_schedule",
+    "predict_two_level", "predicted_speedup", "speedup_vs_context", "summarize_recovery", "this_machine", "typical_schedule",
     "walkthrough_collapse_schedule", "walkthrough_normal_schedule",
 ]

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
@@ -60,6 +60,7 @@ from ..engine.config import ModelConfig
 from ..engine.roofline import Hardware, bytes_per_token, ideal_latency_ms
 from ..errors import require
 from ..speculative.stats import DRAFT, RETRIEVAL_LEVEL, TARGET, VERIFY, region
+from .acceptance import Rounds, fit_alpha
 
 
 @dataclass(frozen=True)
@@ -307,6 +308,34 @@ def measured_level_costs(seconds: dict[str, float], drafted: dict[str, int], ver
                        target_ms=1000 * seconds[level3] / verifications[TARGET])
     forwards_s = seconds[level1] + seconds[level2] + seconds[level3]
     return costs, max(0.0, 1000 * (decode_s - forwards_s) / verifications[TARGET])
+
+
+def predicted_speedup(options: Mapping[str, Any], seconds: Mapping[str, float], drafted: Mapping[str, int],
+                      verifications: Mapping[str, int], rounds: Mapping[str, Rounds], decode_s: float,
+                      baseline_ms_per_token: float) -> float | None:
+    """What the cost model predicts for one measured speculative run, from that run's own parts: its per-forward
+    costs (timed regions / forward counts, as :func:`measured_level_costs`), its per-iteration overhead (decode
+    time outside those forwards), and α per level fitted from its rounds (:func:`~.acceptance.fit_alpha`),
+    under the rule this library runs (``overshoot=False``); as a speedup over ``baseline_ms_per_token``.
+    ``options`` gives γ (``gamma``, or ``gamma1``/``gamma2`` for three levels). None for a run without drafts
+    (plain decoding, or a level that drafted nothing): there is no α to fit. Beside the measured speedup it
+    says whether the run did what its parts imply; a gap is time the model does not see."""
+    if not drafted.get(TARGET) or not verifications.get(TARGET):
+        return None
+    if RETRIEVAL_LEVEL in drafted:
+        if not drafted[RETRIEVAL_LEVEL]:
+            return None
+        costs, overhead = measured_level_costs(seconds, drafted, verifications, decode_s)
+        prediction = predict_ms_per_token(costs, int(options["gamma1"]), int(options["gamma2"]),
+                                          fit_alpha(rounds[RETRIEVAL_LEVEL]), fit_alpha(rounds[TARGET]),
+                                          overhead_ms=overhead, overshoot=False)
+    else:
+        forwards = verifications[TARGET]
+        draft_s, verify_s = seconds.get(DRAFT, 0.0), seconds[VERIFY]
+        overhead = max(0.0, 1000 * (decode_s - draft_s - verify_s) / forwards)
+        prediction = predict_two_level(1000 * draft_s / drafted[TARGET], 1000 * verify_s / forwards,
+                                       int(options["gamma"]), fit_alpha(rounds[TARGET]), overhead_ms=overhead)
+    return baseline_ms_per_token / prediction.ms_per_token
 
 
 @dataclass(frozen=True)

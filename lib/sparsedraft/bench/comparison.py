@@ -42,6 +42,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..analysis.costmodel import predicted_speedup
 from ..engine import machine, weights
 from ..engine.data import SPLITS, bench_prompt
 from ..engine.model import Transformer
@@ -182,6 +183,8 @@ class MethodRow:
     decode_s: float = 0.0  # the median run's decode seconds (regions plus untimed bookkeeping)
     options: dict[str, Any] = field(default_factory=dict)  # the options given (JSON-ready)
     steps: list[StepRow] = field(default_factory=list)  # timed steps beside their rooflines (batch 1)
+    # The cost model's speedup from this run's own parts (analysis.costmodel.predicted_speedup; batch 1, with drafts)
+    predicted_speedup: float | None = None
 
 
 @dataclass
@@ -232,12 +235,13 @@ class CompareResult:
         one = "one prefill per row" if c.batch > 1 else "one prefill"
         head += f"{one} for every run: {self.prefill_s:.3f} s ({where}); prefill s = that + setup s\n"
         cells = [[r.method, f"{r.prefill_s:.3f}", f"{r.setup_s:.3f}", f"{r.ms_per_token:.2f}",
-                  f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x", f"{r.end_to_end:.2f}x",
+                  f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x",
+                  "-" if r.predicted_speedup is None else f"{r.predicted_speedup:.2f}x", f"{r.end_to_end:.2f}x",
                   "-" if r.tokens_per_iteration is None else f"{r.tokens_per_iteration:.2f}",
                   " ".join(f"{k}={v:.2f}" for k, v in r.acceptance.items()) or "-",
                   {True: "yes", False: "NO", None: "-"}[r.tokens_match]] for r in self.rows]
         lines = [head + format_table(["method", "prefill s", "setup s", "decode ms/tok", "tok/s", "speedup",
-                                      "end-to-end", "tok/iter", "acceptance", "tokens = ar"], cells)]
+                                      "model", "end-to-end", "tok/iter", "acceptance", "tokens = ar"], cells)]
         for r in self.rows[1:]:
             if r.decode_s > 0:
                 lines.append(f"{r.method} decode time: " + ", ".join(
@@ -351,11 +355,22 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     rss = peak_rss_gb()  # before the bandwidth read's 1 GiB buffer
     path = machine.report(device)
     read_bw, peaks = measure_read_bandwidth(device), machine.peak_gflops([config.dtype], device, config.peak_s)
+    if config.batch == 1:  # a batch's regions are its slowest row's, its counts every row's: no model for that
+        rows = [dataclasses.replace(row, predicted_speedup=_predicted(row, opts, rows[0].ms_per_token))
+                for row, opts in zip(rows, [None, *options])]
     if config.batch == 1 and config.quant == "none":  # int8 weights: roofline.py counts bytes at the dtype's width
         rows = [dataclasses.replace(row, steps=_steps(target, config, row, opts, read_bw, peaks[config.dtype]))
                 for row, opts in zip(rows, [None, *options])]
     return CompareResult(config, device_name(device), prompts[0].shape[1], rows, sum(p.seconds for p in prefills),
                          ", ".join(loaded) or None, rss, read_bw / 1e9, path.to_dict(), peaks)
+
+
+def _predicted(row: MethodRow, opts: Any, baseline_ms: float) -> float | None:
+    if opts is None:
+        return None
+    gammas = {k: getattr(opts, k) for k in ("gamma", "gamma1", "gamma2") if hasattr(opts, k)}
+    return predicted_speedup(gammas, row.seconds, row.drafted, row.verifications, row.rounds, row.decode_s,
+                             baseline_ms)
 
 
 def _steps(target: Transformer, config: CompareConfig, row: MethodRow, opts: Any, read_bw: float,

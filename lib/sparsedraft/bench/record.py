@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from ..analysis.costmodel import predicted_speedup
 from ..engine.machine import machine_record, provenance
 from ..errors import SparsedraftError, require
 from ..speculative.methods import method_options
@@ -144,6 +145,17 @@ def _options(row: dict[str, Any], resolved: dict[str, dict[str, Any]]) -> str:
     return ", ".join(f"{k} {options[k]}" for k in SHOWN_OPTIONS if _shown(k, options))
 
 
+def _predicted(row: dict[str, Any], options: dict[str, Any] | None, batch: int) -> str:
+    """" (model N.NNx)" beside a measured speedup: the record's own prediction, or for a record from before
+    compare stored one, the same cost model over the parts it kept (its resolved gammas, timed regions, counts
+    and rounds); empty where there is none (a batch, a run without drafts, a record without resolved options)."""
+    value = row.get("predicted_speedup")
+    if "predicted_speedup" not in row and batch == 1 and options and row.get("rounds"):
+        value = predicted_speedup(options, row["seconds"], row["drafted"], row["verifications"], row["rounds"],
+                                  row["decode_s"], row["ms_per_token"] * row["speedup"])
+    return f" (model {value:.2f}x)" if value else ""
+
+
 def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
     result, m = record["result"], record["machine"]
     resolved = result.get("resolved_options", {})
@@ -161,7 +173,9 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
         out.append([f"{row['method']} ({options})" if options else row["method"],
                     c["model"] if dtype == "fp32" else f"{c['model']} {dtype}", f"{result['prompt_len']:,}",
                     f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
-                    f"{row['ms_per_token']:.1f}", f"**{row['speedup']:.2f}x**", _acceptance(row), match,
+                    f"{row['ms_per_token']:.1f}",
+                    f"**{row['speedup']:.2f}x**{_predicted(row, resolved.get(row['method']), c.get('batch', 1))}",
+                    _acceptance(row), match,
                     f"{record['date'][:10]}, {record['commit'][:7]}{'+' if record['dirty'] else ''}",
                     f"{m['isa']}{threads}, {m['read_gb_s']:.1f} GB/s{load}", f"[{name}](docs/results/{name})"])
     return out
