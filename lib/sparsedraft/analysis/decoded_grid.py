@@ -25,6 +25,7 @@ from ..engine.prefill_store import PrefillStore, prefill_prompt
 from ..errors import require
 from ..progress import bar
 from ..speculative.decoding import decode
+from ..speculative.feature import feature_layers_of
 
 FULL = "full"  # the draft cache column value of a drafter over its whole context
 
@@ -51,12 +52,13 @@ def decoded_acceptance_grid(target: Transformer, drafters: Mapping[str, Any],
         require(not too_big, f"budgets {too_big} do not fit below the {cached}-token cached context of the prompts at "
                              f"context {context}; drop them or use longer prompts")
     caches: list[tuple[str, int | None]] = ([(FULL, None)] if full else []) + [("budget", b) for b in budgets]
+    layers = feature_layers_of(*drafters.values())  # one prefill per prompt serves every drafter's features
     rows = []
     total = sum(len(group) for group in prompts.values()) * len(drafters) * len(caches)
     with bar(total=total, desc="decoded grid", unit="run") as progress:
         for context, group in prompts.items():
             for index, prompt in enumerate(group):
-                shared = prefill_prompt(target, prompt, store=store)
+                shared = prefill_prompt(target, prompt, store=store, feature_layers=layers)
                 ar = decode(target, prompt, "ar", new_tokens, prefilled=shared).tokens
                 for name, draft in drafters.items():
                     for cache, budget in caches:

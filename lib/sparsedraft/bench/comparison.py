@@ -55,6 +55,7 @@ from ..errors import require
 from ..report import format_table
 from ..speculative.batching import batch_bytes, check_memory
 from ..speculative.decoding import DecodeResult, decode
+from ..speculative.feature import feature_layers_of
 from ..speculative.loading import check_trained_for, drafter_kind
 from ..speculative.methods import METHODS, load_draft, method_options
 from .steps import StepRow, method_steps, step_row, steps_table
@@ -326,8 +327,10 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
                                      prefilled=not config.prefill_cache), config.max_memory or None, target.device)
     prompts = [bench_prompt(config.model, config.context, config.split, config.variant + b, config.offset).to(device)
                for b in range(config.batch)]
+    layers = feature_layers_of(*(getattr(opts, "draft", None) for opts in options))  # what feature drafters read
     prefills = [prefill_prompt(target, p, store=store, warmup=config.warmup > 0 and b == 0,
-                               on_disk=config.batch > 1)  # a batch's prefills wait in the store, not in memory
+                               on_disk=config.batch > 1,  # a batch's prefills wait in the store, not in memory
+                               feature_layers=layers)
                 for b, p in enumerate(prompts)]
     if config.batch == 1:
         prompt, prefilled, batch = prompts[0], prefills[0], {}

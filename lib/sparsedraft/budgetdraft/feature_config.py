@@ -63,6 +63,9 @@ class FeatureTrainConfig:
         "help": "start from this trained feature-drafter folder (checked against the verifier; a fresh optimizer "
                 "and schedule): more data or steps without retraining from scratch; empty: EAGLE's start from "
                 "the target's top block"})
+    fuse_layers: tuple[int, ...] = field(default=(), metadata={
+        "help": "lower target layers whose outputs the head fuses with the top layer's (EAGLE-3's low and middle "
+                "features, e.g. 2 15 on a 30-layer target); none: EAGLE's top-layer feature alone"})
     unroll: int = field(default=3, metadata={"help": "draft steps of the training-time test after the first"})
     chains: int = field(default=256, metadata={"help": "chain starts per window that the unroll follows"})
     step_decay: float = field(default=0.8, metadata={"help": "weight of unroll step j is step_decay ** j"})
@@ -127,6 +130,8 @@ class FeatureTrainConfig:
                 f"{self.token_weight}")
         require(0 < self.loss_fraction <= 1, f"loss_fraction must be in (0, 1], got {self.loss_fraction}")
         require(self.lam >= 0, f"lam (weight of L_C) must be >= 0, got {self.lam}; use 0 for the L_A-only ablation")
+        require(all(i >= 0 for i in self.fuse_layers) and list(self.fuse_layers) == sorted(set(self.fuse_layers)),
+                f"fuse_layers must be distinct layer indices >= 0, ascending; got {list(self.fuse_layers)}")
         require(len(self.budgets) >= 1, "budgets must name at least one KV budget, e.g. 256 512 1024 2048")
         for budget in self.budgets:
             check_budget(budget, self.chunk_size)
@@ -151,7 +156,10 @@ class FeatureTrainConfig:
 
     def shaping(self) -> dict[str, Any]:
         """Fields that decide the weights after a given step (``steps`` is left out so a run can be extended)."""
-        return {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
+        shaping = {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
+        if not self.fuse_layers:  # so runs from before the field keep their names and checkpoints
+            del shaping["fuse_layers"]
+        return shaping
 
     @property
     def run_name(self) -> str:
@@ -173,4 +181,4 @@ class FeatureTrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         require(not unknown, f"unknown feature training fields {unknown}; known fields are {sorted(known)}")
-        return cls(**{k: tuple(v) if k == "budgets" else v for k, v in data.items()})
+        return cls(**{k: tuple(v) if k in ("budgets", "fuse_layers") else v for k, v in data.items()})

@@ -60,7 +60,8 @@ class Window:
     """One training window and its teacher."""
 
     tokens: torch.Tensor  # [T] int64
-    features: torch.Tensor  # [T, hidden] bf16: the target's top-layer output at every position
+    features: torch.Tensor  # [T, hidden] bf16: the target's top-layer output at every position (after the
+    # outputs of the lower layers a fusing head reads: [T, (k+1) * hidden])
     greedy: torch.Tensor  # [T] int64: the target's argmax after tokens[:t+1] (what greedy verification accepts)
     top_ids: torch.Tensor  # [T, TOP_K] int64
     top_probs: torch.Tensor  # [T, TOP_K] fp16
@@ -100,7 +101,8 @@ def text_windows(tokenizer: Tokenizer, source: str, seq_len: int, count: int) ->
 
 @torch.inference_mode()
 def continue_with_teacher(target: Transformer, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0,
-                          seed: int = 0, prompt_teacher: bool = True, exact: bool = True) -> dict[str, torch.Tensor]:
+                          seed: int = 0, prompt_teacher: bool = True, exact: bool = True,
+                          fuse_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """Continue equal-length ``prompts`` [B, P] by ``new_tokens`` (greedy at temperature 0, else sampled from
     softmax(logits / temperature)) in one batched cache, keeping the teacher of every token from the decode's
     own forwards: no second pass over the text. Returns ``tokens`` [B, P+N], ``features`` [B, P+N, hidden] bf16,
@@ -108,17 +110,17 @@ def continue_with_teacher(target: Transformer, prompts: torch.Tensor, new_tokens
     ``top_ids``, ``top_probs`` over every position; without it the prompt is prefilled in chunks and the
     teacher of its tokens but the last is not kept (``greedy`` -1 there). ``exact=False`` multiplies a batch
     through torch's GEMM (:func:`~sparsedraft.engine.model.gemm_batches`): faster, but a row's bits then depend
-    on its batch."""
+    on its batch. ``fuse_layers``: the features also hold those lower layers' outputs (before the top's)."""
     with contextlib.nullcontext() if exact else gemm_batches():
-        return _continue(target, prompts, new_tokens, temperature, seed, prompt_teacher)
+        return _continue(target, prompts, new_tokens, temperature, seed, prompt_teacher, fuse_layers)
 
 
 def _continue(target: Transformer, prompts: torch.Tensor, new_tokens: int, temperature: float, seed: int,
-              prompt_teacher: bool) -> dict[str, torch.Tensor]:
+              prompt_teacher: bool, fuse_layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
     b, p = prompts.shape
     gen = torch.Generator().manual_seed(seed)
     cache = StaticCache(target.cfg, p + new_tokens, b, target.dtype, target.device)
-    capture = Capture(layers=set(), hidden=True)
+    capture = Capture(layers=set(), hidden=True, hidden_layers=fuse_layers)
     prompts = prompts.to(target.device)
     if prompt_teacher:
         logits = target(prompts, cache=cache, capture=capture).float()
@@ -132,7 +134,7 @@ def _continue(target: Transformer, prompts: torch.Tensor, new_tokens: int, tempe
             nxt = torch.multinomial((last / temperature).softmax(-1).cpu(), 1, generator=gen).to(target.device)
         else:
             nxt = last.argmax(-1, keepdim=True)
-        capture = Capture(layers=set(), hidden=True)
+        capture = Capture(layers=set(), hidden=True, hidden_layers=fuse_layers)
         logits = target(nxt, cache=cache, capture=capture).float()
         tokens.append(nxt.cpu())
         features.append(capture.features.to(torch.bfloat16).cpu())
@@ -150,7 +152,7 @@ def _top(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, count: int, prompt_len: int,
                     new_tokens: int, temperature: float, seed: int, cache_dir: str | Path, compute: bool = True,
-                    batch: int = 32, progress: bool = False) -> list[Window]:
+                    batch: int = 32, progress: bool = False, fuse_layers: tuple[int, ...] = ()) -> list[Window]:
     """``count`` windows of ``prompt_len + new_tokens``: prompts spread evenly over the essays' train split and
     the target's sampled continuations of them, ``batch`` rows per decode (through torch's GEMM), with the
     teacher the decode computed anyway; cached on disk as one file."""
@@ -163,14 +165,15 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
     prompts = torch.stack([corpus[i * stride:i * stride + prompt_len] for i in range(count)])
     key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
            "dtype": str(target.dtype), "prompts": hashlib.sha256(prompts.numpy().tobytes()).hexdigest(),
-           "new_tokens": new_tokens, "temperature": temperature, "seed": seed, "batch": batch, "linear": "gemm"}
+           "new_tokens": new_tokens, "temperature": temperature, "seed": seed, "batch": batch, "linear": "gemm",
+           **layers_key(fuse_layers)}
     path = Path(cache_dir) / f"sampled-{digest(key)}.safetensors"
     if not path.is_file():
         require(compute, f"the sampled continuations are not cached (expected {path}); run once without "
                          "--no-teacher")
         with mapped_blocks():  # else the heap grows without bound over the decode steps (runtime.py says why)
             parts = [continue_with_teacher(target, prompts[i:i + batch], new_tokens, temperature, seed + i,
-                                           exact=False)
+                                           exact=False, fuse_layers=fuse_layers)
                      for i in bar(range(0, count, batch), desc="sampled", unit="batch", show=progress)]
         save_tensors({k: torch.cat([part[k] for part in parts]) for k in parts[0]}, path,
                      {"key": json.dumps(key, sort_keys=True, default=str)})
@@ -180,27 +183,37 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
 
 
 @torch.inference_mode()
-def teacher_of(target: Transformer, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One target forward over ``tokens`` [T]: features, greedy tokens and top-k probabilities (CPU)."""
-    capture = Capture(layers=set(), hidden=True)
+def teacher_of(target: Transformer, tokens: torch.Tensor,
+               fuse_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """One target forward over ``tokens`` [T]: features (after ``fuse_layers``' outputs), greedy tokens and
+    top-k probabilities (CPU)."""
+    capture = Capture(layers=set(), hidden=True, hidden_layers=fuse_layers)
     logits = target(tokens[None].to(target.device), capture=capture)[0].float()
     probs, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
     return {"features": capture.features[0].to(torch.bfloat16).cpu(), "greedy": ids[:, 0].cpu(),
             "top_ids": ids.cpu(), "top_probs": probs.to(torch.float16).cpu()}
 
 
-def window_file(cache_dir: str | Path, target_id: str, target: Transformer, tokens: torch.Tensor) -> Path:
+def layers_key(fuse_layers: tuple[int, ...]) -> dict[str, Any]:
+    """The cache-key part that names the lower layers kept beside the top one (none for EAGLE's top-only
+    features, so their files keep the names they had)."""
+    return {"fuse_layers": list(fuse_layers)} if fuse_layers else {}
+
+
+def window_file(cache_dir: str | Path, target_id: str, target: Transformer, tokens: torch.Tensor,
+                fuse_layers: tuple[int, ...] = ()) -> Path:
     key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
-           "dtype": str(target.dtype), "tokens": hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest()}
+           "dtype": str(target.dtype), "tokens": hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest(),
+           **layers_key(fuse_layers)}
     return Path(cache_dir) / f"window-{digest(key)}.safetensors"
 
 
 def teacher_windows(target: Transformer, target_id: str, windows: torch.Tensor, source: str, cache_dir: str | Path,
-                    compute: bool = True, progress: bool = False) -> list[Window]:
+                    compute: bool = True, progress: bool = False, fuse_layers: tuple[int, ...] = ()) -> list[Window]:
     """The teacher of every row of ``windows`` [N, T], from the disk cache or one target forward each."""
     out = []
     for row in bar(windows, desc=f"features ({source})", unit="win", show=progress):
-        path = window_file(cache_dir, target_id, target, row)
+        path = window_file(cache_dir, target_id, target, row, fuse_layers)
         if path.is_file():
             stored = load_file(str(path))
             require(torch.equal(stored["tokens"], row.to(torch.int64)),
@@ -208,16 +221,18 @@ def teacher_windows(target: Transformer, target_id: str, windows: torch.Tensor, 
         else:
             require(compute, f"the teacher of a {source} window is not cached (expected {path}); run once without "
                              "--no-teacher to compute it")
-            stored = {"tokens": row.to(torch.int64), **teacher_of(target, row)}
+            stored = {"tokens": row.to(torch.int64), **teacher_of(target, row, fuse_layers)}
             save_tensors(stored, path)
         out.append(Window(stored["tokens"], stored["features"], stored["greedy"], stored["top_ids"],
                           stored["top_probs"], source))
     return out
 
 
-def feature_scale(windows: list[Window]) -> float:
-    """The features' root mean square over (a sample of) the windows: the unit of the regression loss and of
-    the input noise, so both mean the same on any target."""
+def feature_scales(windows: list[Window], hidden: int) -> list[float]:
+    """Each feature block's root mean square over (a sample of) the windows, lower layers first and the top
+    layer's last: the top's is the unit of the regression loss, and each block's the unit of its input noise
+    (and of a fusing head's ``fuse_gain``), so all mean the same on any target."""
     require(len(windows) > 0, "no training windows: ask for essays, pydoc or sampled sequences")
     sample = torch.cat([w.features[::16].float() for w in windows[:64]])
-    return float(sample.pow(2).mean().sqrt())
+    blocks = sample.view(sample.shape[0], -1, hidden)
+    return [float(x) for x in blocks.pow(2).mean((0, 2)).sqrt()]

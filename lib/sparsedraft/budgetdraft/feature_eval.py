@@ -39,7 +39,7 @@ from ..engine.data import Tokenizer, prompt_tokens
 from ..engine.model import Capture, Transformer
 from ..errors import require
 from ..speculative.feature import FeatureHead
-from .feature_data import FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, save_tensors
+from .feature_data import FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, layers_key, save_tensors
 from .feature_loss import TokenHead, unroll
 from .view import BudgetView, kept_prefix
 
@@ -103,24 +103,25 @@ class Continuations:
     """Held-out prompts and the target's greedy continuations, with the target's feature at every token."""
 
     tokens: torch.Tensor  # [P, L + N] int64
-    features: torch.Tensor  # [P, L + N, hidden] bf16
+    features: torch.Tensor  # [P, L + N, hidden] bf16 ([P, L + N, (k+1) hidden] with k fused lower layers)
     prompt_len: int  # L
 
 
 def greedy_continuations(target: Transformer, target_id: str, tokenizer: Tokenizer, cache_dir: str | Path,
                          prompts: int = 6, context: int = 4096, new_tokens: int = 160,
-                         compute: bool = True) -> Continuations:
+                         compute: bool = True, fuse_layers: tuple[int, ...] = ()) -> Continuations:
     """``prompts`` consecutive held-out essay prompts of ``context`` tokens and ``new_tokens`` greedy tokens
     after each (cached on disk, keyed by the target and the prompts). One prompt per decode: a batched prefill
     of six 4K prompts peaked at 11.5 GB (its chunks' attention scores are per row), one at a time at a sixth."""
     rows = torch.stack([prompt_tokens(tokenizer, context, split="heldout", variant=i) for i in range(prompts)])
     key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
            "dtype": str(target.dtype), "prompts": hashlib.sha256(rows.numpy().tobytes()).hexdigest(),
-           "new_tokens": new_tokens, "rows_per_decode": 1}
+           "new_tokens": new_tokens, "rows_per_decode": 1, **layers_key(fuse_layers)}
     path = Path(cache_dir) / f"continuations-{digest(key)}.safetensors"
     if not path.is_file():
         require(compute, f"the greedy continuations are not cached (expected {path})")
-        outs = [continue_with_teacher(target, row[None], new_tokens, prompt_teacher=False) for row in rows]
+        outs = [continue_with_teacher(target, row[None], new_tokens, prompt_teacher=False, fuse_layers=fuse_layers)
+                for row in rows]
         save_tensors({"tokens": torch.cat([o["tokens"] for o in outs]),
                       "features": torch.cat([o["features"] for o in outs])}, path,
                      {"key": json.dumps(key, default=str)})
@@ -160,7 +161,7 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         t = tokens.shape[1]
         starts = torch.arange(length - 1, t - top - 1, device=device)  # rounds whose gamma drafts all have a token
         outs, _ = unroll(head, data.features[row:row + 1].to(device).float(), tokens, starts, top - 1)
-        true = data.features[row:row + 1, length:t - 1].to(device).float()  # the target's features before them
+        true = head.top(data.features[row:row + 1, length:t - 1]).to(device).float()  # the target's before them
         confidence.append(heads[""].logits(true).float().softmax(-1).amax(-1).flatten())
         for name, tok in heads.items():
             drafts = tok.predict(outs[0][:, length - 1:t - 2])  # entry e predicts token e + 2
@@ -220,7 +221,8 @@ def agreement_report(head: FeatureHead, target_id: str, tokenizer: Tokenizer, ca
     from ..speculative.loading import has_checkpoint, load_drafter
     from ..speculative.vocab import frequent_tokens
     target = head.target
-    data = greedy_continuations(target, target_id, tokenizer, cache_dir, prompts, context, new_tokens, compute)
+    data = greedy_continuations(target, target_id, tokenizer, cache_dir, prompts, context, new_tokens, compute,
+                                head.fuse_layers)
     ids = frequent_tokens(tokenizer, draft_vocab, target.cfg.vocab_size) if draft_vocab else None
     report = continuation_report(head, data, ids)
     if slice_run and has_checkpoint(Path(slice_run)):

@@ -199,7 +199,8 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
                  step_decay: float, unroll_steps: int, lam: float, continuation: int, chunk_size: int,
                  obs_window: int, scoring: str,
                  soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> FeatureLossParts:
-    """L_A (+ lam * L_C) of one window: tokens/greedy [1, T], features [1, T, H] (float); ``soft`` = the
+    """L_A (+ lam * L_C) of one window: tokens/greedy [1, T], features [1, T, H] (float; [1, T, (k+1) H] for a
+    head that fuses k lower layers, whose top block is the regression's aim); ``soft`` = the
     verifier's (top ids, top probabilities) [1, T, K] turns every token loss into one against that distribution."""
 
     def at(index) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -210,7 +211,8 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
     outs, view = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture)
     parts: dict[str, float] = {}
     pred0 = outs[0]
-    feat0 = feature_l1(pred0, features[:, 1:], scale)  # every entry: the regression needs no head
+    top = head.top(features)  # what the head predicts (a fusing head reads lower layers' features too)
+    feat0 = feature_l1(pred0, top[:, 1:], scale)  # every entry: the regression needs no head
     ce0 = token_ce(tokens, pred0[:, draws.ce_positions], greedy[:, draws.ce_positions + 1], at(draws.ce_positions + 1))
     loss_a = feature_weight * feat0 + token_weight * ce0
     parts["feat_0"], parts["token_0"] = feat0.item(), ce0.item()
@@ -218,7 +220,7 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
     for j in range(1, unroll_steps + 1):
         weights += step_decay ** j
         aim = draws.starts + j + 1  # what entry starts + j predicts
-        term, parts[f"feat_{j}"], parts[f"token_{j}"] = entry_loss(tokens, outs[j], features[:, aim], greedy[:, aim],
+        term, parts[f"feat_{j}"], parts[f"token_{j}"] = entry_loss(tokens, outs[j], top[:, aim], greedy[:, aim],
                                                                    scale, feature_weight, token_weight, at(aim))
         loss_a = loss_a + step_decay ** j * term
     loss_a = loss_a / weights
@@ -231,7 +233,7 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
     inputs = features[:, prefix:t - 1] + (0 if draws.noise is None else draws.noise[:, prefix:])
     pred = head(inputs, window_tokens[:, prefix + 1:], torch.arange(prefix, t - 1, device=inputs.device),
                 BudgetView(view.keys[0], view.values[0], kept))
-    loss_c, parts["feat_c"], parts["token_c"] = entry_loss(tokens, pred, features[:, prefix + 1:],
+    loss_c, parts["feat_c"], parts["token_c"] = entry_loss(tokens, pred, top[:, prefix + 1:],
                                                            greedy[:, prefix + 1:], scale, feature_weight,
                                                            token_weight, at(slice(prefix + 1, None)))
     parts["loss_c"] = loss_c.item()

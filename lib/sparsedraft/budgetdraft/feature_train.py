@@ -38,11 +38,12 @@ from ..engine.weights import load_model
 from ..errors import require
 from ..progress import bar, bars_on
 from ..report import read_table
-from ..speculative.feature import FeatureHead, check_feature_drafter, load_feature_head, save_feature_head
+from ..speculative.feature import (FeatureHead, check_feature_drafter, check_fuse_layers, load_feature_head,
+                                   save_feature_head)
 from ..speculative.vocab import frequent_tokens
 from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
 from .feature_config import SET_SEED_STRIDE, FeatureTrainConfig
-from .feature_data import Window, feature_scale, sampled_teacher, teacher_windows, text_windows
+from .feature_data import Window, feature_scales, sampled_teacher, teacher_windows, text_windows
 from .feature_eval import budgeted_agreement, window_agreement
 from .feature_loss import Draws, TokenHead, feature_loss
 from .teacher import corpus_windows
@@ -56,8 +57,13 @@ DRAFTER = "drafter"  # the run folder's trained drafter (what --export copies)
 class FeatureData:
     train: list[Window]
     held_out: list[Window]
-    scale: float  # the features' RMS: unit of the regression and of the noise
+    scales: list[float]  # each feature block's RMS (lower layers', then the top's): units of the noise
     ids: torch.Tensor | None  # the training CE's draft vocabulary (None: all tokens)
+
+    @property
+    def scale(self) -> float:
+        """The top layer's feature RMS: the unit of the regression."""
+        return self.scales[-1]
 
     def sizes(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -70,30 +76,34 @@ class FeatureData:
 def load_feature_data(cfg: FeatureTrainConfig, target: Transformer, tokenizer: Tokenizer,
                       progress: bool) -> FeatureData:
     """Every window the run trains and evaluates on, with its teacher (computed once, then read from disk)."""
-    cache = cfg.teacher_dir
+    cache, layers = cfg.teacher_dir, cfg.fuse_layers
     train: list[Window] = []
     for source, count in (("essays", cfg.sequences), ("pydoc", cfg.pydoc_sequences)):
         windows = text_windows(tokenizer, source, cfg.seq_len, count)
-        train += teacher_windows(target, cfg.verifier, windows, source, cache, cfg.teacher, progress)
+        train += teacher_windows(target, cfg.verifier, windows, source, cache, cfg.teacher, progress, layers)
     for k in range(cfg.sampled_sets):
         train += sampled_teacher(target, cfg.verifier, tokenizer, cfg.sampled_sequences, cfg.sampled_prompt,
                                  cfg.sampled_tokens, cfg.temperature, cfg.seed + SET_SEED_STRIDE * k, cache,
-                                 cfg.teacher, cfg.sample_batch, progress)
+                                 cfg.teacher, cfg.sample_batch, progress, layers)
     held = corpus_windows(tokenizer, cfg.seq_len, cfg.eval_sequences, "heldout") if cfg.eval_sequences else \
         torch.zeros(0, cfg.seq_len, dtype=torch.long)
-    held_out = teacher_windows(target, cfg.verifier, held, "heldout", cache, cfg.teacher, progress)
+    held_out = teacher_windows(target, cfg.verifier, held, "heldout", cache, cfg.teacher, progress, layers)
     ids = frequent_tokens(tokenizer, cfg.draft_vocab, target.cfg.vocab_size) if cfg.draft_vocab else None
-    return FeatureData(train, held_out, feature_scale(train), ids)
+    return FeatureData(train, held_out, feature_scales(train, target.cfg.hidden_size), ids)
 
 
-def init_head(head: FeatureHead, target: Transformer, scale: float, gain: float) -> None:
+def init_head(head: FeatureHead, target: Transformer, scales: list[float], gain: float) -> None:
     """EAGLE's start (:meth:`FeatureHead.init_from`), with fc's embedding half at ``gain`` times the ratio of the
-    features' RMS ``scale`` to the embeddings', so both inputs of the layer start equally loud."""
+    top features' RMS (``scales[-1]``) to the embeddings', so both inputs of the layer start equally loud; a
+    fusing head's ``fuse_gain`` scales each lower block up to the top's RMS for the same reason."""
     head.init_from(target)
-    hidden = head.cfg.hidden_size
+    hidden, scale = head.cfg.hidden_size, scales[-1]
     ratio = scale / float(target.embed_tokens.weight.float().pow(2).mean().sqrt())
     with torch.no_grad():
         head.fc.weight[:, hidden:] = gain * ratio * torch.eye(hidden, dtype=head.dtype, device=head.device)
+        if head.fuse_layers:
+            gains = torch.tensor([scale / s for s in scales], dtype=head.dtype, device=head.device)
+            head.fuse_gain.copy_(gains.repeat_interleave(hidden))
 
 
 def learning_rate(cfg: FeatureTrainConfig, step: int) -> float:
@@ -104,15 +114,17 @@ def learning_rate(cfg: FeatureTrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def step_draws(cfg: FeatureTrainConfig, step: int, windows: list[Window], scale: float,
+def step_draws(cfg: FeatureTrainConfig, step: int, windows: list[Window], scales: list[float],
                hidden: int) -> tuple[int, Draws]:
-    """(window index, draws) of step ``step``, from (seed, step) alone."""
+    """(window index, draws) of step ``step``, from (seed, step) alone; the input noise of each feature block
+    is in units of that block's RMS (``scales``)."""
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     index = int(torch.randint(len(windows), (1,), generator=gen))
     t = windows[index].tokens.numel()
     noise = None
     if cfg.noise:
-        noise = (torch.rand(1, t - 1, hidden, generator=gen) * 2 - 1) * (cfg.noise * scale)
+        unit = torch.tensor([cfg.noise * s for s in scales]).repeat_interleave(hidden)
+        noise = (torch.rand(1, t - 1, len(scales) * hidden, generator=gen) * 2 - 1) * unit
     count = max(1, round(cfg.loss_fraction * (t - 1)))
     ce_positions = torch.randperm(t - 1, generator=gen)[:count].sort().values
     room = t - 1 - cfg.unroll  # chain starts 0 .. t - 2 - unroll
@@ -126,7 +138,7 @@ def train_step(cfg: FeatureTrainConfig, head: FeatureHead, tokens: TokenHead, op
                data: FeatureData, step: int) -> dict[str, Any]:
     """One optimizer step (index ``step``, 0-based) on one window; returns its history entry."""
     start = time.perf_counter()
-    index, draws = step_draws(cfg, step, data.train, data.scale, head.cfg.hidden_size)
+    index, draws = step_draws(cfg, step, data.train, data.scales, head.cfg.hidden_size)
     lr = learning_rate(cfg, step)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -262,14 +274,20 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     target = target if target is not None else load_model(cfg.verifier, device=cfg.device)
     target.requires_grad_(False)
     tokenizer = tokenizer if tokenizer is not None else model_tokenizer(cfg.verifier)
+    check_fuse_layers(cfg.fuse_layers, target.cfg.num_layers)
     lineage, parent_curve = None, []
     if cfg.head_init and saved is None:  # a wrong folder is refused before the teacher data is made
-        lineage = started_from(check_feature_drafter(cfg.head_init, target))
+        parent = check_feature_drafter(cfg.head_init, target)
+        theirs = tuple(parent.get("fuse_layers", ()))
+        require(theirs == cfg.fuse_layers, f"the drafter in {cfg.head_init} fuses target layers {list(theirs)}, "
+                                           f"this run {list(cfg.fuse_layers)}; pass --fuse-layers "
+                                           f"{' '.join(map(str, theirs)) or '(none)'} or start from scratch")
+        lineage = started_from(parent)
         parent_curve = read_curve(Path(cfg.head_init) / CURVE)  # read now: the export may overwrite the folder
     data = load_feature_data(cfg, target, tokenizer, progress)
     data_seconds = time.time() - began
 
-    head = FeatureHead(target.cfg).to(device=target.device, dtype=torch.float32)
+    head = FeatureHead(target.cfg, cfg.fuse_layers).to(device=target.device, dtype=torch.float32)
     head.attach(target)
     step, history = 0, []
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -283,7 +301,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
             if evaluate is not None:  # the same end-of-run check on the head it starts from: before and after
                 lineage["measured"] = evaluate(head.eval())
         else:
-            init_head(head, target, data.scale, cfg.embed_gain)
+            init_head(head, target, data.scales, cfg.embed_gain)
         if cfg.eval_every:
             history.append({"step": 0, "tokens": 0, "eval": held_out_agreement(cfg, head, data)})
     tokens = TokenHead(head, data.ids)
@@ -346,6 +364,7 @@ def run_record(cfg: FeatureTrainConfig, data: FeatureData, history: list[dict[st
     where = {**started, "machine": machine.machine_record()} if started is not None else {}
     return {"recipe": cfg.to_dict(), "command": "python -m sparsedraft " + shlex.join(sys.argv[1:]),
             **where, "data": data.sizes(), "feature_scale": data.scale,
+            **({"feature_scales": data.scales} if len(data.scales) > 1 else {}),
             "data_seconds": round(data_seconds, 1), "train_seconds": round(seconds, 1), "steps": cfg.steps,
             "train_tokens_per_s": round(sum(e["tokens"] for e in trained) / seconds, 1) if seconds else None,
             "loss": "L_A + lam * L_C" if cfg.lam else "L_A only (lam = 0 ablation)",

@@ -45,12 +45,16 @@ class Capture:
     [B, H, T, S] over the keys the cache exposed; key_positions are not
     needed because caches expose keys in slot order. ``hidden`` asks for the
     top layer's output before the final norm (what a feature drafter reads),
-    kept in ``features`` [B, T, hidden] for every token of the step.
+    kept in ``features`` [B, T, hidden] for every token of the step;
+    ``hidden_layers`` (lower layer indices, ascending) puts those layers'
+    outputs before it, ``features`` [B, T, (len(hidden_layers) + 1) * hidden]:
+    the low, middle and top features an EAGLE-3 head fuses.
     """
 
     layers: set[int]
     weights: bool = False
     hidden: bool = False
+    hidden_layers: tuple[int, ...] = ()
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     attention: dict[int, torch.Tensor] = field(default_factory=dict)
     features: torch.Tensor | None = None
@@ -327,8 +331,14 @@ def run_layers(layers: nn.ModuleList, rotary: Rotary, x: torch.Tensor, positions
     if positions.dim() == 1:
         positions = positions[None].expand(x.shape[0], -1)
     angles = rotary.angles(cache.begin(positions), x.dtype)
-    for block in layers:
+    lower = capture.hidden_layers if capture is not None and capture.hidden else ()
+    kept = []
+    for i, block in enumerate(layers):
         x = block(x, angles, cache, capture)
+        if i in lower:
+            kept.append(x.detach())
+    if capture is not None and capture.hidden:
+        capture.features = torch.cat(kept + [x.detach()], -1) if kept else x.detach()
     _BIAS.clear()  # a converted mask (up to T x S floats) is not kept past its forward
     cache.end()
     return x
@@ -378,8 +388,6 @@ class Transformer(nn.Module):
             start = getattr(cache, "length", 0)
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         x = run_layers(self.layers, self.rotary, self.embed_tokens(tokens), positions, cache, capture)
-        if capture is not None and capture.hidden:
-            capture.features = x.detach()
         if last_only:
             x = x[:, -1:]
         return project(self.lm_head, self.norm(x))

@@ -64,7 +64,8 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int
     retrieval cache (n = 1), or every query for the attention analyses (n = T).
     Only chunks holding those tokens record anything. ``capture.hidden`` also
     collects every token's top-layer features, ``capture.features`` [B, T, hidden]
-    (what a feature drafter's cache is filled from). A prompt of more than one
+    (after ``capture.hidden_layers``' outputs, when it names lower layers):
+    what a feature drafter's cache is filled from. A prompt of more than one
     chunk counts its tokens on a :func:`~sparsedraft.progress.bar` (shown only
     when bars are on; on a GPU it counts chunks launched, as it adds no sync).
     """
@@ -84,7 +85,8 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, chunk: int
     with bar(total=length, desc="prefill", unit="tok", unit_scale=True, show=len(spans) > 2) as progress:
         for start, stop in spans:
             queries = capture is not None and stop > first
-            step = Capture(layers=capture.layers if queries else set(), hidden=hidden) if queries or hidden else None
+            step = Capture(layers=capture.layers if queries else set(), hidden=hidden,
+                           hidden_layers=capture.hidden_layers) if queries or hidden else None
             logits = model(tokens[:, start:stop], cache=cache, last_only=True, capture=step)
             for layer, q in (step.queries.items() if step is not None else ()):
                 parts[layer].append(q[:, :, max(first - start, 0):])

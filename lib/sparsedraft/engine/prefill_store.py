@@ -53,10 +53,13 @@ DEFAULT_MAX_BYTES = 4 * GiB
 CACHE_PREFIX = "cache."  # tensor names of the full cache's state, beside tokens, logits and q{layer}
 
 
-def entry_key(identity: dict[str, Any], tokens: torch.Tensor) -> dict[str, Any]:
-    """What an entry must match: the layout version, the model's identity and the prompt's ids."""
+def entry_key(identity: dict[str, Any], tokens: torch.Tensor,
+              feature_layers: tuple[int, ...] = ()) -> dict[str, Any]:
+    """What an entry must match: the layout version, the model's identity, the prompt's ids and the lower
+    layers whose features it keeps (named only when there are some, so older entries keep their keys)."""
     return {"format": FORMAT, **identity, "prompt": tensor_digest([("tokens", tokens.cpu())]),
-            "prompt_shape": list(tokens.shape)}
+            "prompt_shape": list(tokens.shape),
+            **({"feature_layers": list(feature_layers)} if feature_layers else {})}
 
 
 class PrefillStore:
@@ -71,14 +74,14 @@ class PrefillStore:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         return self.root / f"{digest[:32]}{SUFFIX}"
 
-    def load(self, model: Transformer, prompt: torch.Tensor | Sequence[int],
-             on_disk: bool = False) -> PrefilledPrompt | None:
+    def load(self, model: Transformer, prompt: torch.Tensor | Sequence[int], on_disk: bool = False,
+             feature_layers: tuple[int, ...] = ()) -> PrefilledPrompt | None:
         """``model``'s prefill of ``prompt`` if stored and intact; None otherwise (a damaged entry is
         deleted with a warning, so the caller computes it again). ``on_disk`` keeps its cache in the file
         (:class:`StoredCache`): a decoder reads it when it starts, so a batch holds no second copy of its
         caches in memory."""
         tokens = as_prompt(prompt)
-        key = entry_key(model_identity(model), tokens)
+        key = entry_key(model_identity(model), tokens, feature_layers)
         path = self.path(key)
         if not path.is_file():
             return None
@@ -124,12 +127,13 @@ class PrefillStore:
         features = tensors["features"].to(device, copy=True) if "features" in tensors else None
         synchronize(device)
         return PrefilledPrompt(tokens, cache, logits, queries, model_identity(model), float(meta["seconds"]),
-                               str(path), time.perf_counter() - start, features)
+                               str(path), time.perf_counter() - start, features,
+                               tuple(key.get("feature_layers", ())))
 
     def save(self, prefilled: PrefilledPrompt) -> Path | None:
         """Write ``prefilled`` (replacing an entry of the same key), then evict down to the cap; the path,
         or None when the entry alone is over the cap and so was not kept."""
-        key = entry_key(prefilled.model, prefilled.tokens)
+        key = entry_key(prefilled.model, prefilled.tokens, prefilled.feature_layers)
         tensors = {"tokens": prefilled.tokens, "logits": prefilled.logits,
                    **{f"q{layer}": q for layer, q in prefilled.queries.items()},
                    **({"features": prefilled.features} if prefilled.features is not None else {}),
@@ -219,19 +223,21 @@ def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def prefill_prompt(model: Transformer, prompt: torch.Tensor | Sequence[int], *, store: PrefillStore | None = None,
-                   warmup: bool = False, on_disk: bool = False) -> PrefilledPrompt:
+                   warmup: bool = False, on_disk: bool = False,
+                   feature_layers: tuple[int, ...] = ()) -> PrefilledPrompt:
     """The prefill of ``prompt`` (ids, ``[T]`` or ``[B, T]``) that ``decode(..., prefilled=)`` and every
     decoder start from. With ``store`` it is read from that disk cache when there (a damaged entry is
     recomputed with a one-line warning) and written to it otherwise; ``on_disk`` then leaves its cache in
     the file, read by each decoder when it starts (a batch's prefills then cost no memory between runs;
-    kept in memory when the store could not keep the entry)."""
+    kept in memory when the store could not keep the entry). ``feature_layers``: the prompt features also
+    hold those lower layers' outputs, for a feature drafter that fuses them (its ``feature_layers``)."""
     ids = as_prompt(prompt)
     check_prompt(model, ids, 0)
     if store is not None:
-        found = store.load(model, ids, on_disk=on_disk)
+        found = store.load(model, ids, on_disk=on_disk, feature_layers=feature_layers)
         if found is not None:
             return found
-    result = compute_prefill(model, ids, warmup)
+    result = compute_prefill(model, ids, warmup, feature_layers)
     if store is not None and store.save(result) is not None and on_disk:
-        return store.load(model, ids, on_disk=True) or result
+        return store.load(model, ids, on_disk=True, feature_layers=feature_layers) or result
     return result

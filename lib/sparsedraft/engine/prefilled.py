@@ -99,10 +99,26 @@ class PrefilledPrompt:
     loaded_from: str | None = None  # the file it was read from; None when computed in this process
     load_s: float = 0.0  # seconds reading and verifying that file
     features: torch.Tensor | None = None  # [B, T, hidden] top-layer features of every prompt token (feature drafters)
+    feature_layers: tuple[int, ...] = ()  # lower layers whose outputs precede the top's in features: [B, T, (k+1) hidden]
 
     @property
     def prompt_len(self) -> int:
         return self.tokens.shape[1]
+
+    def features_of(self, layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """The prompt features a drafter that fuses lower ``layers`` reads: their outputs, then the top's
+        ([B, T, (len(layers) + 1) hidden]), cut from the layers this prefill kept."""
+        require(self.features is not None, "this prefill holds no prompt features; prefill again with "
+                                           "prefill_prompt (it keeps them)")
+        missing = sorted(set(layers) - set(self.feature_layers))
+        require(not missing, f"this prefill keeps the features of target layers {list(self.feature_layers)} below "
+                             f"the top, not {missing}; prefill with prefill_prompt(model, prompt, "
+                             f"feature_layers={tuple(sorted(set(layers) | set(self.feature_layers)))})")
+        if tuple(layers) == self.feature_layers:
+            return self.features
+        hidden = self.features.shape[-1] // (len(self.feature_layers) + 1)
+        blocks = [self.feature_layers.index(i) for i in layers] + [len(self.feature_layers)]
+        return torch.cat([self.features[..., b * hidden:(b + 1) * hidden] for b in blocks], -1)
 
     def seed(self, cache: StaticCache) -> None:
         """Copy this prefill's cache into a run's ``cache`` (a stored one is read from its file then, one row
@@ -126,16 +142,18 @@ class PrefilledPrompt:
 
 
 @torch.inference_mode()
-def compute_prefill(model: Transformer, prompt: torch.Tensor, warmup: bool = False) -> PrefilledPrompt:
+def compute_prefill(model: Transformer, prompt: torch.Tensor, warmup: bool = False,
+                    feature_layers: tuple[int, ...] = ()) -> PrefilledPrompt:
     """One timed prefill of ``prompt`` [B, T] into a cache of exactly T slots. ``warmup`` first runs the
-    first chunk untimed, so the timed forward pays no first-call costs (a benchmark's habit)."""
+    first chunk untimed, so the timed forward pays no first-call costs (a benchmark's habit). The features
+    kept hold ``feature_layers``' outputs before the top layer's (what a fusing feature drafter reads)."""
     device = model.device
     tokens = prompt.to(device)
     if warmup:
         first = tokens[:, :PREFILL_CHUNK]
         prefill(model, model.new_cache(first.shape[1], first.shape[0]), first)
     cache = model.new_cache(tokens.shape[1], tokens.shape[0])
-    capture = Capture(layers=set(range(model.cfg.num_layers)), hidden=True)
+    capture = Capture(layers=set(range(model.cfg.num_layers)), hidden=True, hidden_layers=tuple(feature_layers))
     synchronize(device)
     t0 = time.perf_counter()
     logits = prefill(model, cache, tokens, capture=capture)
@@ -143,4 +161,4 @@ def compute_prefill(model: Transformer, prompt: torch.Tensor, warmup: bool = Fal
     seconds = time.perf_counter() - t0
     queries = {layer: q[:, :, -1].clone() for layer, q in capture.queries.items()}
     return PrefilledPrompt(prompt.cpu(), cache, logits, queries, model_identity(model), seconds,
-                           features=capture.features)
+                           features=capture.features, feature_layers=tuple(feature_layers))

@@ -83,6 +83,7 @@ class Drafter(ABC):
     vocab_size: int
     needs_target_queries = False  # True: the driver captures the target's queries for start and rebuild
     needs_target_features = False  # True: the driver hands over the target's features (TargetState.features)
+    feature_layers: tuple[int, ...] = ()  # lower target layers whose outputs precede the top's in those features
     proposed = 0  # length of the last proposal, not yet committed
 
     def check(self, context: int) -> None:
@@ -138,6 +139,7 @@ class ModelDrafter(Drafter):
         # Set by a level above whose inner drafter reads features: each forward then keeps its tokens'
         # top-layer features [t, hidden] and the position of the first (TargetState.features for that drafter)
         self.keep_features = False
+        self.feature_layers: tuple[int, ...] = ()  # lower layers kept before the top one (the inner drafter's)
         self.features: torch.Tensor | None = None
         self.features_start = 0
 
@@ -165,7 +167,8 @@ class ModelDrafter(Drafter):
         """Feed ``tokens`` at their true positions; logits [t, V] (or [1, V])."""
         device = self.model.device
         positions = torch.arange(self.position, self.position + len(tokens), device=device)
-        capture = Capture(layers=set(), hidden=True) if self.keep_features else None
+        capture = Capture(layers=set(), hidden=True, hidden_layers=self.feature_layers) if self.keep_features \
+            else None
         logits = self.model(torch.tensor([tokens], device=device), positions, self.cache, last_only=last_only,
                             capture=capture)
         if capture is not None:

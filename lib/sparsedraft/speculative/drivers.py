@@ -69,22 +69,25 @@ def check_run(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max_n
         require(not drafter.needs_target_features or prefilled.features is not None,
                 "this prefill holds no prompt features, which a feature drafter starts from; prefill again with "
                 "this version of sparsedraft (prefill_prompt) or pass no prefilled=")
+        if drafter.needs_target_features:
+            prefilled.features_of(drafter.feature_layers)  # fails, naming the fix, if it lacks those layers
 
 
 @torch.inference_mode()
 def prefill_target(target: Transformer, prompt: torch.Tensor, max_new_tokens: int, capture: bool,
-                   prefilled: PrefilledPrompt | None = None, features: bool = False) -> TargetState:
+                   prefilled: PrefilledPrompt | None = None, features: bool = False,
+                   feature_layers: tuple[int, ...] = ()) -> TargetState:
     """Full cache holding ``prompt`` [1, T], the logits after it, its last token's queries if ``capture`` and
-    every prompt token's features if ``features``; copied from ``prefilled`` when given (checked by the
-    caller), which stays as it was."""
+    every prompt token's features if ``features`` (after ``feature_layers``' outputs); copied from
+    ``prefilled`` when given (checked by the caller), which stays as it was."""
     cache = target.new_cache(prompt.shape[1] + max_new_tokens)
     if prefilled is not None:
         prefilled.seed(cache)
         queries = {layer: q.clone() for layer, q in prefilled.queries.items()} if capture else {}
         return TargetState(cache, queries, prefilled.logits[0].clone(),
-                           prefilled.features[0] if features else None)
-    last = Capture(layers=set(range(target.cfg.num_layers)) if capture else set(), hidden=features) \
-        if capture or features else None
+                           prefilled.features_of(feature_layers)[0] if features else None)
+    last = Capture(layers=set(range(target.cfg.num_layers)) if capture else set(), hidden=features,
+                   hidden_layers=feature_layers) if capture or features else None
     logits = prefill(target, cache, prompt, capture=last)
     queries = {layer: q[:, :, -1] for layer, q in last.queries.items()} if capture else {}
     return TargetState(cache, queries, logits[0], last.features[0] if features else None)
@@ -112,7 +115,7 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
     synchronize(target.device)
     t0 = time.perf_counter()
     state = prefill_target(target, prompt, max_new_tokens, drafter.needs_target_queries, prefilled,
-                           drafter.needs_target_features)
+                           drafter.needs_target_features, drafter.feature_layers)
     drafter.start(prompt[0], state, DraftContext(sampling, generator, watch))
     full = state.cache
     full.rollback(1)  # re-fed by the first verification (module docstring)
@@ -122,8 +125,8 @@ def speculative(target: Transformer, drafter: Drafter, prompt: torch.Tensor, max
 
     level = LevelStats(TARGET)
     queries, features = drafter.needs_target_queries, drafter.needs_target_features
-    capture = Capture(layers=set(range(target.cfg.num_layers)) if queries else set(), hidden=features) \
-        if queries or features else None
+    capture = Capture(layers=set(range(target.cfg.num_layers)) if queries else set(), hidden=features,
+                      hidden_layers=drafter.feature_layers) if queries or features else None
     recent, since_build, rebuilds = MovingAverage(policy.acceptance_window), 0, 0
     out: list[int] = []
     pending = prompt[:, -1:]

@@ -49,15 +49,46 @@ FORMAT = 1  # bump when the owned weights or the record change meaning
 
 
 class FeatureHead(nn.Module):
-    """``fc`` [2*hidden -> hidden] and one decoder layer of the target's family; the rest is the target's."""
+    """``fc`` [2*hidden -> hidden] and one decoder layer of the target's family; the rest is the target's.
 
-    def __init__(self, cfg: ModelConfig):
+    ``fuse_layers`` (lower target layers, ascending; EAGLE-3's low and middle features) adds ``fuse``
+    [(k+1)*hidden -> hidden]: the head then reads the target's features as those layers' outputs followed by
+    the top layer's (``Capture(hidden_layers=...)``), each block scaled by ``fuse_gain`` (fixed at training's
+    start so every block is as loud as the top one), and fuses them into one feature. Its own predictions are
+    top-layer features, fed back as they are. Without it the head is EAGLE's."""
+
+    def __init__(self, cfg: ModelConfig, fuse_layers: tuple[int, ...] = ()):
         super().__init__()
         self.cfg = self.layer_config(cfg)
         hidden = cfg.hidden_size
+        self.fuse_layers = check_fuse_layers(fuse_layers, cfg.num_layers)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([Block(self.cfg, 0)])
+        if self.fuse_layers:
+            width = (len(self.fuse_layers) + 1) * hidden
+            self.fuse = nn.Linear(width, hidden, bias=False)
+            self.register_buffer("fuse_gain", torch.ones(width))
         self._borrow(None, None)
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features this head reads (hidden, or (k+1)*hidden when it fuses k lower layers)."""
+        return (len(self.fuse_layers) + 1) * self.cfg.hidden_size
+
+    def top(self, features: torch.Tensor) -> torch.Tensor:
+        """The top layer's part of target features [..., feature_width] (what the head predicts)."""
+        return features[..., -self.cfg.hidden_size:]
+
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., feature_width] as the one feature the layer reads; a predicted (top-layer)
+        feature [..., hidden] passes as it is."""
+        if not self.fuse_layers or features.shape[-1] == self.cfg.hidden_size:
+            return features.to(self.dtype)
+        require(features.shape[-1] == self.feature_width,
+                f"this head fuses target layers {list(self.fuse_layers)} and the top one: features of width "
+                f"{self.feature_width}, got {features.shape[-1]}; capture them with "
+                f"Capture(hidden=True, hidden_layers={self.fuse_layers})")
+        return project(self.fuse, features.to(self.dtype) * self.fuse_gain)
 
     @staticmethod
     def layer_config(cfg: ModelConfig) -> ModelConfig:
@@ -107,6 +138,9 @@ class FeatureHead(nn.Module):
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden] = torch.eye(hidden, dtype=self.dtype, device=self.device)
+            if self.fuse_layers:  # the lower layers start silent: the untrained head is EAGLE's
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -hidden:] = torch.eye(hidden, dtype=self.dtype, device=self.device)
         return self
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
@@ -120,7 +154,7 @@ class FeatureHead(nn.Module):
         if positions is None:
             start = getattr(cache, "length", 0)
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        x = project(self.fc, torch.cat((features.to(self.dtype), self.target.embed_tokens(tokens)), -1))
+        x = project(self.fc, torch.cat((self.fused(features), self.target.embed_tokens(tokens)), -1))
         return run_layers(self.layers, self.target.rotary, x, positions, cache, capture)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -141,6 +175,16 @@ class Entries:
         feats = self.features[:, start:start + tokens.shape[1]]
         out = self.head(feats, tokens, positions, cache, capture)
         return self.head.logits(out[:, -1:] if last_only else out)
+
+
+def check_fuse_layers(layers: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
+    """``layers`` as a tuple after checking they are distinct lower layers of a ``num_layers``-layer target,
+    ascending (the top layer is always read, last)."""
+    layers = tuple(int(i) for i in layers)
+    require(all(0 <= i < num_layers - 1 for i in layers) and list(layers) == sorted(set(layers)),
+            f"fuse_layers must be distinct target layers below the top one (0..{num_layers - 2}), ascending; "
+            f"got {list(layers)}")
+    return layers
 
 
 def _digest(tensors: list[tuple[str, torch.Tensor]]) -> str:
@@ -166,6 +210,19 @@ def is_feature_drafter(folder: str | Path) -> bool:
     return (Path(folder) / RECORD).is_file()
 
 
+def feature_layers_of(*drafts: Any) -> tuple[int, ...]:
+    """The lower target layers that any of ``drafts`` (feature heads, drafter folders, or anything else a
+    ``draft=`` option takes) fuses: what a prefill shared by their runs keeps (``prefill_prompt(...,
+    feature_layers=)``)."""
+    layers: set[int] = set()
+    for draft in drafts:
+        if isinstance(draft, FeatureHead):
+            layers.update(draft.fuse_layers)
+        elif isinstance(draft, (str, Path)) and is_feature_drafter(draft):
+            layers.update(read_record(draft).get("fuse_layers", ()))
+    return tuple(sorted(layers))
+
+
 def save_feature_head(head: FeatureHead, folder: str | Path, target: Transformer,
                       extra: dict[str, Any] | None = None) -> Path:
     """Write the owned weights (bf16 keeps the file small; the head is cast to the target's dtype on load) and
@@ -175,6 +232,8 @@ def save_feature_head(head: FeatureHead, folder: str | Path, target: Transformer
     save_file({k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in head.state_dict().items()},
               str(folder / WEIGHTS))
     record = {"kind": KIND, "format": FORMAT, "target": fingerprint(target), **(extra or {})}
+    if head.fuse_layers:
+        record["fuse_layers"] = list(head.fuse_layers)
     tmp = folder / (RECORD + ".tmp")
     tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
     tmp.replace(folder / RECORD)
@@ -208,8 +267,8 @@ def check_feature_drafter(folder: str | Path, target: Transformer) -> dict[str, 
 
 def load_feature_head(folder: str | Path, target: Transformer) -> FeatureHead:
     """The drafter in ``folder``, checked against ``target`` first, on its device and dtype and attached."""
-    check_feature_drafter(folder, target)
-    head = FeatureHead(target.cfg)
+    record = check_feature_drafter(folder, target)
+    head = FeatureHead(target.cfg, tuple(record.get("fuse_layers", ())))
     weights = load_file(str(Path(folder) / WEIGHTS))
     missing = set(head.state_dict()) ^ set(weights)
     require(not missing, f"{folder}/{WEIGHTS} does not hold a feature head's weights (mismatched: {sorted(missing)})")

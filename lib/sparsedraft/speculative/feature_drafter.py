@@ -50,6 +50,7 @@ class FeatureDrafter(Drafter):
                 "a feature head's cache has one layer: size it with FeatureHead.layer_config(target.cfg)")
         self.head, self.cache = head, cache
         self.vocab_size = head.cfg.vocab_size
+        self.feature_layers = head.fuse_layers  # the target captures these layers' outputs before the top's
         self.tokens: list[int] = []
         self.feats = torch.zeros(0, head.cfg.hidden_size)
         self.known = 0  # rows of feats that hold a feature (row i: the feature of tokens[i])
@@ -84,12 +85,13 @@ class FeatureDrafter(Drafter):
                 "a feature drafter starts from the target's features of every prompt token; run it through "
                 "speculative(), which captures them with the prefill")
         require(prompt.numel() >= 3, f"a feature drafter needs a prompt of >= 3 tokens, got {prompt.numel()}")
+        self._check_width(target.features)
         self.ctx, self.proposed = ctx, 0
         self.tokens = prompt.tolist()
         n = len(self.tokens)
         self.feats = torch.empty(n + 256, self.head.cfg.hidden_size, dtype=self.head.dtype, device=self.head.device)
         self.known = min(n, target.features.shape[0])  # the last prompt token's too, when the prefill gives it
-        self.feats[:self.known] = target.features[:self.known]
+        self.feats[:self.known] = self.head.fused(target.features[:self.known])
         self.cache.reset()
         # Every prompt entry but the newest goes in now; the newest is the first draft step's input.
         entries = torch.tensor([self.tokens[1:n - 1]], device=self.head.device)
@@ -137,10 +139,18 @@ class FeatureDrafter(Drafter):
         rows = min(target.features.shape[0], len(self.tokens) - start)
         if rows <= 0:
             return
+        self._check_width(target.features)
         self._grow(start + rows)
-        self.feats[start:start + rows] = target.features[:rows].to(self.feats.dtype)
+        self.feats[start:start + rows] = self.head.fused(target.features[:rows]).to(self.feats.dtype)
         self.known = max(self.known, start + rows)
         self._uncache(min(self.cached, start))
+
+    def _check_width(self, features: torch.Tensor) -> None:
+        require(features.shape[-1] == self.head.feature_width,
+                f"the target handed over features of width {features.shape[-1]}, but this head reads "
+                f"{self.head.feature_width} (the outputs of target layers {list(self.feature_layers)} and the top "
+                "one); the driver captures them as the drafter's feature_layers say: prefill with "
+                f"prefill_prompt(..., feature_layers={self.feature_layers}) when passing prefilled=")
 
     def commit(self, accepted: int, token: int, target: TargetState | None = None) -> None:
         self.rewind(self.proposed - accepted)

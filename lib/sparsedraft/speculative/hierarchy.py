@@ -94,6 +94,7 @@ class SpeculativeDrafter(Drafter):
         # after each outer verification
         self.needs_target_features = inner.needs_target_features
         verifier.keep_features = inner.needs_target_features
+        self.feature_layers = verifier.feature_layers = inner.feature_layers
         self.level = LevelStats(name)
 
     def check(self, context: int) -> None:

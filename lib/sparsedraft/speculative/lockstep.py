@@ -157,7 +157,11 @@ class Lockstep:
             positions[b, t - n:] = pos.reshape(-1)
         layers = set().union(*(call.capture.layers for call in group if call.capture is not None))
         hidden = any(call.capture is not None and call.capture.hidden for call in group)  # a feature drafter's rows
-        capture = Capture(layers=layers, hidden=hidden) if layers or hidden else None
+        kinds = {call.capture.hidden_layers for call in group if call.capture is not None and call.capture.hidden}
+        require(len(kinds) <= 1, f"rows of one batched forward ask for features of different layers {sorted(kinds)}; "
+                                 "give every row the same kind of feature drafter")
+        capture = Capture(layers=layers, hidden=hidden, hidden_layers=next(iter(kinds), ())) \
+            if layers or hidden else None
         last_only = all(call.last_only for call in group)
         logits = model(tokens, positions, RowCaches([call.cache for call in group], counts), last_only=last_only,
                        capture=capture)
