@@ -236,6 +236,28 @@ def test_the_reproduce_record_carries_the_runners_timing(tmp_path):
                         "| [reproduce-cpu.json](docs/results/reproduce-cpu.json) |")
 
 
+def test_a_profile_without_a_curve_is_timed_alone_and_needs_its_own_bandwidth(tmp_path, capsys):
+    from sparsedraft.__main__ import main
+    outputs, results = tmp_path / "outputs", tmp_path / "results"
+    outputs.mkdir()
+    results.mkdir()
+    run = {"profile": "batch-16k", "commit": "cd" * 20, "dirty": False, "date": "2026-12-05T17:00:00Z",
+           "wall_s": 1500.0, "peak_rss_mb": 7000, "machine": {"isa": "AMX", "read_gb_s": None}, "threads": None,
+           "notebooks": [{"notebook": "09_batching", "status": "ok", "wall_s": 1490.0, "run": "x"}]}
+    (outputs / "run-batch-16k.json").write_text(json.dumps(run))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n{TIMES_BEGIN}\n{TIMES_END}\n")
+    args = ["results", "--from-runs", str(outputs), "--profile", "batch-16k", "--records", str(results),
+            "--readme", str(readme)]
+    assert main(args) != 0  # no curve gives a bandwidth either
+    assert "--measure-machine" in capsys.readouterr().err
+    run["machine"]["read_gb_s"] = 25.0
+    (outputs / "run-batch-16k.json").write_text(json.dumps(run))
+    assert main(args) in (0, None)
+    assert sorted(p.name for p in results.iterdir()) == ["reproduce-batch-16k.json"]  # no curve record
+    assert "| `batch-16k` | 25 min | 09 1490 s |" in readme.read_text()
+
+
 def test_the_figure_takes_each_context_from_the_newest_curve_record(tmp_path, monkeypatch):
     from sparsedraft import report
     from sparsedraft.runner.results import draw_curves, record_curve

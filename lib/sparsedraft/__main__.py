@@ -93,19 +93,22 @@ def add_results_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", default=str(RESULTS_DIR), help="folder of records written by bench --record")
     parser.add_argument("--from-runs", default="", metavar="OUTPUTS",
                         help="first record the newest finished notebook-05 run of --profile under this folder "
-                             "(e.g. outputs) as speedup-vs-context-<profile>.json, and the runner's timing of "
-                             "that profile (run-<profile>.json) as reproduce-<profile>.json")
+                             "(e.g. outputs) as speedup-vs-context-<profile>.json (when the profile ran notebook "
+                             "05), and the runner's timing of that profile (run-<profile>.json) as "
+                             "reproduce-<profile>.json")
     parser.add_argument("--profile", default="cpu",
                         help="profile of that run (default: cpu, make reproduce's; cpu-long: the 8K-32K curve)")
 
 
 def run_results(args: argparse.Namespace) -> None:
-    from .runner.results import draw_curves, record_curve, record_timing
+    from .runner.results import draw_curves, ran_curve, record_curve, record_timing
     if args.from_runs:
-        curve = record_curve(args.from_runs, args.profile, args.records)
-        read = json.loads(curve.read_text())["machine"]["read_gb_s"]
-        timing = record_timing(args.from_runs, args.profile, args.records, read)
-        print(f"recorded {curve} and {timing}", file=sys.stderr)
+        made, read = [], None
+        if ran_curve(args.from_runs, args.profile):
+            made.append(record_curve(args.from_runs, args.profile, args.records))
+            read = json.loads(made[0].read_text())["machine"]["read_gb_s"]
+        made.append(record_timing(args.from_runs, args.profile, args.records, read))
+        print(f"recorded {' and '.join(map(str, made))}", file=sys.stderr)
     print(refresh_readme(args.readme, args.records))
     figure = draw_curves(args.records)
     if figure is not None:

@@ -9,7 +9,7 @@ profile (``cpu``: ``make reproduce``, 4K-8K; ``cpu-long``: 8K-32K) into
 ``docs/results/speedup-vs-context-<profile>.json``, with the commit, date,
 machine and wall time the runner recorded for that run; :func:`record_timing`
 keeps the runner's timing of the whole profile and each notebook's metrics (what docs/
-cites of a notebook's results). :func:`draw_curves` draws the
+cites of a notebook's results), also for profiles that run no curve (:func:`ran_curve`). :func:`draw_curves` draws the
 README's one figure from every curve record, each context from the newest
 record that holds it, so ``python -m sparsedraft results --from-runs outputs``
 refreshes the table, the run times and the figure, and nothing in them is
@@ -113,6 +113,16 @@ def record_curve(outputs: str | Path = "outputs", profile: str = "cpu", folder: 
     return path
 
 
+def ran_curve(outputs: str | Path = "outputs", profile: str = "cpu") -> bool:
+    """Whether the runner's last run of ``profile`` (``outputs/run-<profile>.json``) ran notebook 05, whose curve
+    :func:`record_curve` records; profiles without it (``batch-16k``, ``long-quality``...) get a timing only."""
+    source = Path(outputs) / f"run-{profile}.json"
+    require(source.is_file(), f"no timing in {source}: run `python -m sparsedraft run --profile {profile} "
+                              "--measure-machine` first")
+    rows = json.loads(source.read_text()).get("notebooks", [])
+    return any(row["notebook"][:2] == NOTEBOOK for row in rows)
+
+
 def record_timing(outputs: str | Path = "outputs", profile: str = "cpu", folder: str | Path = RESULTS_DIR,
                   read_gb_s: float | None = None) -> Path:
     """``folder/reproduce-<profile>.json`` from ``outputs/run-<profile>.json`` (the runner's timing of its last
@@ -123,6 +133,8 @@ def record_timing(outputs: str | Path = "outputs", profile: str = "cpu", folder:
                               "(make reproduce) first")
     run = json.loads(source.read_text())
     require(run.get("commit") and run.get("machine"), f"{source} names no commit or machine; rerun the notebooks")
+    require(run["machine"].get("read_gb_s") or read_gb_s, f"{source} measured no read bandwidth and no curve gave "
+                                                           "one: rerun the profile with --measure-machine")
     record = {"command": f"python -m sparsedraft run --profile {profile}", "commit": run["commit"],
               "dirty": run.get("dirty"), "date": run["date"],
               "machine": {**run["machine"], "read_gb_s": run["machine"].get("read_gb_s") or read_gb_s},
