@@ -150,3 +150,22 @@ def test_a_fused_run_trains_and_its_folder_decodes(tmp_path):
     with pytest.raises(SparsedraftError, match="fuse_layers must be"):
         train_feature_drafter(cfg.replace(fuse_layers=(1,), out_dir=str(tmp_path / "top")), target,
                               progress=False, provenance=False)
+
+
+def test_fused_sampled_windows_reuse_the_sampled_text_and_add_its_lower_layers(tmp_path):
+    from sparsedraft.budgetdraft.feature_data import sampled_teacher
+    from sparsedraft.engine.data import model_tokenizer
+    target = tiny_model("llama")
+    args = (target, "tiny-llama", model_tokenizer("tiny-llama"), 3, 16, 24, 0.8, 5, tmp_path)
+    top = sampled_teacher(*args, batch=2)
+    fused = sampled_teacher(*args, batch=2, fuse_layers=LAYERS)
+    assert len(list(tmp_path.glob("sampled-*"))) == 2  # the text sampled once; the fused features beside it
+    hidden = target.cfg.hidden_size
+    for a, b in zip(top, fused):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.greedy, b.greedy)
+        assert b.features.shape == (a.tokens.numel(), 2 * hidden)
+        torch.testing.assert_close(b.features[:, hidden:].float(), a.features.float(), rtol=0.02, atol=0.02)
+        capture = Capture(layers=set(), hidden=True, hidden_layers=LAYERS)
+        with torch.no_grad():
+            target(a.tokens[None], capture=capture)
+        assert torch.equal(b.features, capture.features[0].to(torch.bfloat16))

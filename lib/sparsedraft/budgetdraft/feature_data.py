@@ -155,7 +155,9 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
                     batch: int = 32, progress: bool = False, fuse_layers: tuple[int, ...] = ()) -> list[Window]:
     """``count`` windows of ``prompt_len + new_tokens``: prompts spread evenly over the essays' train split and
     the target's sampled continuations of them, ``batch`` rows per decode (through torch's GEMM), with the
-    teacher the decode computed anyway; cached on disk as one file."""
+    teacher the decode computed anyway; cached on disk as one file. With ``fuse_layers`` the text is the
+    top-only file's (sampled once, whatever layers a head reads) and the features come from one forward per
+    window over it, in a file of their own."""
     if count == 0:
         return []
     corpus = corpus_tokens(tokenizer, "train")
@@ -168,12 +170,22 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
            "new_tokens": new_tokens, "temperature": temperature, "seed": seed, "batch": batch, "linear": "gemm",
            **layers_key(fuse_layers)}
     path = Path(cache_dir) / f"sampled-{digest(key)}.safetensors"
+    if not path.is_file() and fuse_layers:
+        text = sampled_teacher(target, target_id, tokenizer, count, prompt_len, new_tokens, temperature, seed,
+                               cache_dir, compute, batch, progress)
+        require(compute, f"the fused features of the sampled continuations are not cached (expected {path}); run "
+                         "once without --no-teacher")
+        features = [teacher_of(target, w.tokens, fuse_layers)["features"]
+                    for w in bar(text, desc="sampled features", unit="win", show=progress)]
+        save_tensors({"tokens": torch.stack([w.tokens for w in text]), "features": torch.stack(features),
+                      **{k: torch.stack([getattr(w, k) for w in text]) for k in ("greedy", "top_ids", "top_probs")}},
+                     path, {"key": json.dumps(key, sort_keys=True, default=str)})
     if not path.is_file():
         require(compute, f"the sampled continuations are not cached (expected {path}); run once without "
                          "--no-teacher")
         with mapped_blocks():  # else the heap grows without bound over the decode steps (runtime.py says why)
             parts = [continue_with_teacher(target, prompts[i:i + batch], new_tokens, temperature, seed + i,
-                                           exact=False, fuse_layers=fuse_layers)
+                                           exact=False)
                      for i in bar(range(0, count, batch), desc="sampled", unit="batch", show=progress)]
         save_tensors({k: torch.cat([part[k] for part in parts]) for k in parts[0]}, path,
                      {"key": json.dumps(key, sort_keys=True, default=str)})
