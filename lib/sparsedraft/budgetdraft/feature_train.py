@@ -101,9 +101,20 @@ def init_head(head: FeatureHead, target: Transformer, scales: list[float], gain:
     ratio = scale / float(target.embed_tokens.weight.float().pow(2).mean().sqrt())
     with torch.no_grad():
         head.fc.weight[:, hidden:] = gain * ratio * torch.eye(hidden, dtype=head.dtype, device=head.device)
-        if head.fuse_layers:
-            gains = torch.tensor([scale / s for s in scales], dtype=head.dtype, device=head.device)
-            head.fuse_gain.copy_(gains.repeat_interleave(hidden))
+    init_fuse(head, scales)
+
+
+def init_fuse(head: FeatureHead, scales: list[float]) -> None:
+    """A fusing head's ``fuse`` as the top block's pass-through (the lower layers start silent) and its
+    ``fuse_gain`` lifting each block to the top block's RMS (``scales``: lower layers', then the top's)."""
+    if not head.fuse_layers:
+        return
+    hidden = head.cfg.hidden_size
+    with torch.no_grad():
+        head.fuse.weight.zero_()
+        head.fuse.weight[:, -hidden:] = torch.eye(hidden, dtype=head.dtype, device=head.device)
+        gains = torch.tensor([scales[-1] / s for s in scales], dtype=head.dtype, device=head.device)
+        head.fuse_gain.copy_(gains.repeat_interleave(hidden))
 
 
 def learning_rate(cfg: FeatureTrainConfig, step: int) -> float:
@@ -279,9 +290,10 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     if cfg.head_init and saved is None:  # a wrong folder is refused before the teacher data is made
         parent = check_feature_drafter(cfg.head_init, target)
         theirs = tuple(parent.get("fuse_layers", ()))
-        require(theirs == cfg.fuse_layers, f"the drafter in {cfg.head_init} fuses target layers {list(theirs)}, "
-                                           f"this run {list(cfg.fuse_layers)}; pass --fuse-layers "
-                                           f"{' '.join(map(str, theirs)) or '(none)'} or start from scratch")
+        require(theirs in ((), cfg.fuse_layers), f"the drafter in {cfg.head_init} fuses target layers "
+                                                 f"{list(theirs)}, this run {list(cfg.fuse_layers)}; pass "
+                                                 f"--fuse-layers {' '.join(map(str, theirs))}, or start from "
+                                                 "scratch or from a head that reads the top layer alone")
         lineage = started_from(parent)
         parent_curve = read_curve(Path(cfg.head_init) / CURVE)  # read now: the export may overwrite the folder
     data = load_feature_data(cfg, target, tokenizer, progress)
@@ -297,7 +309,11 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         step, history = saved["step"], saved["history"]
     else:
         if cfg.head_init:
-            head.load_state_dict(load_feature_head(cfg.head_init, target).state_dict())
+            parent_head = load_feature_head(cfg.head_init, target)
+            widen = bool(cfg.fuse_layers) and not parent_head.fuse_layers  # a top-only head learns to fuse
+            head.load_state_dict(parent_head.state_dict(), strict=not widen)  # widened: all but fuse's own
+            if widen:
+                init_fuse(head, data.scales)  # the lower layers silent: it starts as the head it was
             if evaluate is not None:  # the same end-of-run check on the head it starts from: before and after
                 lineage["measured"] = evaluate(head.eval())
         else:
