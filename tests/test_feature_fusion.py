@@ -172,7 +172,6 @@ def test_fused_sampled_windows_reuse_the_sampled_text_and_add_its_lower_layers(t
 
 
 def test_a_top_only_drafter_widens_into_a_fused_one_that_starts_as_itself(tmp_path, monkeypatch):
-    from sparsedraft.budgetdraft import feature_train
     target = tiny_model("llama")
     base = dict(verifier="tiny-llama", seq_len=64, sequences=2, pydoc_sequences=0, sampled_sequences=0,
                 eval_sequences=1, draft_vocab=64, chains=16, continuation=16, budgets=(16, 32), obs_window=8,
@@ -181,15 +180,16 @@ def test_a_top_only_drafter_widens_into_a_fused_one_that_starts_as_itself(tmp_pa
     top = train_feature_drafter(FeatureTrainConfig(**base, out_dir=str(tmp_path / "top")), target, progress=False,
                                 provenance=False)
     started, saved = {}, load_feature_head(top.run_dir / "drafter", target)  # what the folder holds (bf16)
-    real = feature_train.init_fuse
+    real = FeatureHead.init_fuse
 
-    def spy(head, scales):
+    def spy(head, scales=None):
         real(head, scales)
         features = torch.randn(1, 7, 2 * target.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
         tokens = torch.randint(0, target.cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             started["same"] = torch.allclose(head(features, tokens), saved(head.top(features), tokens))
-    monkeypatch.setattr(feature_train, "init_fuse", spy)
+        return head
+    monkeypatch.setattr(FeatureHead, "init_fuse", spy)
     wide = train_feature_drafter(FeatureTrainConfig(**base, fuse_layers=LAYERS, head_init=str(top.run_dir / "drafter"),
                                                     out_dir=str(tmp_path / "wide")), target, progress=False,
                                  provenance=False)

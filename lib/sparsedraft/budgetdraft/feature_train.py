@@ -101,20 +101,7 @@ def init_head(head: FeatureHead, target: Transformer, scales: list[float], gain:
     ratio = scale / float(target.embed_tokens.weight.float().pow(2).mean().sqrt())
     with torch.no_grad():
         head.fc.weight[:, hidden:] = gain * ratio * torch.eye(hidden, dtype=head.dtype, device=head.device)
-    init_fuse(head, scales)
-
-
-def init_fuse(head: FeatureHead, scales: list[float]) -> None:
-    """A fusing head's ``fuse`` as the top block's pass-through (the lower layers start silent) and its
-    ``fuse_gain`` lifting each block to the top block's RMS (``scales``: lower layers', then the top's)."""
-    if not head.fuse_layers:
-        return
-    hidden = head.cfg.hidden_size
-    with torch.no_grad():
-        head.fuse.weight.zero_()
-        head.fuse.weight[:, -hidden:] = torch.eye(hidden, dtype=head.dtype, device=head.device)
-        gains = torch.tensor([scales[-1] / s for s in scales], dtype=head.dtype, device=head.device)
-        head.fuse_gain.copy_(gains.repeat_interleave(hidden))
+    head.init_fuse(scales)
 
 
 def learning_rate(cfg: FeatureTrainConfig, step: int) -> float:
@@ -313,7 +300,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
             widen = bool(cfg.fuse_layers) and not parent_head.fuse_layers  # a top-only head learns to fuse
             head.load_state_dict(parent_head.state_dict(), strict=not widen)  # widened: all but fuse's own
             if widen:
-                init_fuse(head, data.scales)  # the lower layers silent: it starts as the head it was
+                head.init_fuse(data.scales)  # the lower layers silent: it starts as the head it was
             if evaluate is not None:  # the same end-of-run check on the head it starts from: before and after
                 lineage["measured"] = evaluate(head.eval())
         else:

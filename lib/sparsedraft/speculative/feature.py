@@ -138,9 +138,20 @@ class FeatureHead(nn.Module):
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden] = torch.eye(hidden, dtype=self.dtype, device=self.device)
-            if self.fuse_layers:  # the lower layers start silent: the untrained head is EAGLE's
+        return self.init_fuse()
+
+    def init_fuse(self, scales: list[float] | None = None) -> "FeatureHead":
+        """``fuse`` as the top block's pass-through, the lower layers silent (so the head computes what it did
+        reading the top layer alone), and with ``scales`` (each block's RMS, the top's last) ``fuse_gain``
+        lifting each block to the top's loudness. Nothing for a head that fuses no layers."""
+        if self.fuse_layers:
+            hidden = self.cfg.hidden_size
+            with torch.no_grad():
                 self.fuse.weight.zero_()
                 self.fuse.weight[:, -hidden:] = torch.eye(hidden, dtype=self.dtype, device=self.device)
+                if scales is not None:
+                    gains = torch.tensor([scales[-1] / s for s in scales], dtype=self.dtype, device=self.device)
+                    self.fuse_gain.copy_(gains.repeat_interleave(hidden))
         return self
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
