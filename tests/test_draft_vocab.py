@@ -3,6 +3,7 @@ and decoding through it still lossless (greedy here; the sampled law in test_spe
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -118,6 +119,26 @@ def test_draft_step_costs_time_a_feature_head_and_its_restricted_views(model):
     assert [r.draft_vocab for r in rows] == [model.cfg.vocab_size, 16]
     assert all(r.draft_ms > 0 and r.ratio == pytest.approx(r.draft_ms / r.verifier_ms) for r in rows)
     assert head._head is model.lm_head  # the restricted row used a view, the head itself is unchanged
+
+
+def test_draft_cost_command_times_a_drafter_folder_against_the_verifier_its_record_names(model, tmp_path, capsys):
+    from sparsedraft.bench.draft_cost import main
+    from sparsedraft.speculative.feature import FeatureHead, save_feature_head
+    head = FeatureHead(model.cfg).init_from(model)
+    folder = save_feature_head(head, tmp_path / "feature", model, {"recipe": {"verifier": "tiny-qwen2"}})
+    record = tmp_path / "cost.json"
+    main(["--draft", str(folder), "--context", "300", "--budget", "64", "--draft-vocab", "0", "16", "--repeats", "3",
+          "--record", str(record)])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["kind"] == "feature" and result["model"] == "tiny-qwen2" and result["context"] == 300
+    assert [r["draft_vocab"] for r in result["rows"]] == [model.cfg.vocab_size, 16]
+    written = json.loads(record.read_text())
+    assert written["result"]["rows"] == result["rows"] and written["machine"]["read_gb_s"] > 0
+    assert written["command"].startswith("python -m sparsedraft.bench.draft_cost --draft")
+    with pytest.raises(SparsedraftError, match="must exceed --budget"):
+        main(["--draft", str(folder), "--context", "64", "--budget", "64"])
+    with pytest.raises(SparsedraftError, match="holds no trained drafter"):
+        main(["--draft", str(tmp_path)])
 
 
 def test_needed_acceptance_inverts_the_two_level_cost_model():

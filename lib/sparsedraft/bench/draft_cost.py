@@ -14,21 +14,32 @@ the other term of a round's cost. Every forward is rolled back, so each sees
 the same cache. A feature drafter (:class:`~sparsedraft.speculative.feature.FeatureHead`)
 is timed the same way: its one layer over a BudgetCache of its own entries
 (random features: the work does not depend on them either) plus the head.
+
+Not a test: ``python -m sparsedraft.bench.draft_cost --draft data/drafters/feature --context 8192
+--draft-vocab 0 8192 --record docs/results/draft-cost-8k.json`` times a trained drafter folder (either kind)
+against the verifier its record names, prints the rows and the read bandwidth, and records them.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from ..caches.budget import BudgetCache
+from ..engine.data import corpus_tokens, model_tokenizer
+from ..engine.machine import provenance
 from ..engine.model import Transformer
 from ..engine.runtime import synchronize
 from ..errors import require
-from ..speculative.feature import Entries, FeatureHead
+from ..speculative.feature import Entries, FeatureHead, read_record
+from ..speculative.loading import FEATURE, drafter_kind, load_trained, read_state, trained_scoring
 from ..speculative.vocab import coverage, frequent_tokens, restrict_head
 from .ar import random_cache
 
@@ -99,3 +110,63 @@ def draft_step_costs(verifier: Transformer, drafter: Transformer | FeatureHead, 
         rows.append(DraftCostRow(n or vocab, coverage(tokenizer, ids) if n else 1.0, draft_ms, verifier_ms,
                                  draft_ms / verifier_ms, verify_tokens, verify_ratio))
     return rows
+
+
+def drafter_verifier(folder: str | Path) -> str:
+    """The verifier a trained drafter folder names (its record's recipe, or a slice run's training config)."""
+    kind = drafter_kind(folder)
+    require(kind is not None, f"{folder} holds no trained drafter; pass a folder written by sparsedraft train-drafter")
+    return read_record(folder)["recipe"]["verifier"] if kind == FEATURE else read_state(folder)["config"]["verifier"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ..engine.weights import load_model
+    from .record import write_module_record
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", required=True, help="a trained drafter folder (train-drafter, either kind)")
+    parser.add_argument("--model", default="", help="the verifier (default: the one the drafter's record names)")
+    parser.add_argument("--context", type=int, default=8192, help="tokens in the verifier's cache")
+    parser.add_argument("--budget", type=int, default=1024, help="the drafter's budget cache size")
+    parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0, 8192],
+                        help="draft heads to time: 0 the full one, N the N most frequent train-split tokens")
+    parser.add_argument("--gamma", type=int, default=4, help="drafts per round: a gamma + 1-token verification "
+                                                             "is timed beside the steps")
+    parser.add_argument("--repeats", type=int, default=30, help="timed rounds (medians over them)")
+    parser.add_argument("--split", default="heldout", help="essay split of the drafter's prompt")
+    parser.add_argument("--record", default="", metavar="PATH.json", help="also write a results record")
+    args = parser.parse_args(argv)
+    require(not args.record or args.record.endswith(".json"), f"--record takes a .json path, got {args.record!r}")
+    require(Path(args.draft).is_dir(), f"no drafter folder {args.draft}")
+    require(args.context > args.budget > 0, f"--context {args.context} must exceed --budget {args.budget} > 0")
+    require(args.gamma >= 1, f"--gamma must be >= 1, got {args.gamma}")
+    model = args.model or drafter_verifier(args.draft)
+    started = provenance()
+    target = load_model(model).eval()
+    require(args.context <= target.cfg.max_position_embeddings,
+            f"--context {args.context} exceeds {model}'s {target.cfg.max_position_embeddings} positions")
+    drafter = load_trained(args.draft, target)
+    tokenizer = model_tokenizer(model)
+    prompt = corpus_tokens(tokenizer, args.split)[:args.context][None]
+    require(prompt.shape[1] == args.context, f"the {args.split} split holds {prompt.shape[1]} tokens, fewer than "
+                                             f"--context {args.context}; pick a shorter context or another split")
+    rows = draft_step_costs(target, drafter, prompt, args.budget, args.draft_vocab, tokenizer, args.repeats,
+                            scoring=trained_scoring(args.draft), verify_tokens=args.gamma + 1)
+    kind = "feature" if isinstance(drafter, FeatureHead) else "slice"
+    print(f"{kind} drafter {args.draft} over a {args.budget}-token budget cache, verifier {model} at "
+          f"{args.context:,} tokens ({rows[0].verifier_ms:.1f} ms per decode step; a {args.gamma + 1}-token "
+          f"verification {rows[0].verify_ratio:.2f} of them)")
+    for row in rows:
+        print(f"  head over {row.draft_vocab:,} tokens ({row.heldout_coverage:.1%} of held-out text): "
+              f"{row.draft_ms:.2f} ms, {row.ratio:.1%} of a decode step")
+    result = {"bench": "draft_cost", "draft": args.draft, "kind": kind, "model": model, "context": args.context,
+              "budget": args.budget, "gamma": args.gamma, "repeats": args.repeats,
+              "threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows]}
+    if args.record:
+        print(f"record written to {write_module_record(args.record, 'draft_cost', argv, result, started)}",
+              file=sys.stderr)
+    print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()
