@@ -203,6 +203,77 @@ def test_the_curve_record_refuses_a_run_without_commit_or_curve(tmp_path):
         record_curve(tmp_path / "outputs", "cpu", tmp_path / "results")
 
 
+def _speed_run(outputs, label="BudgetDraft (budget cache)"):
+    """A finished notebook-06 run folder holding its timed runs of the feature drafter at 16K."""
+    run = outputs / "06_budgetdraft" / "budgetdraft-long-abc"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({
+        "notebook": "06_budgetdraft", "profile": "budgetdraft-long", "status": "ok",
+        "started": "2026-12-05T19:00:00+00:00", "wall_s": 4000.0, "threads": None, "commit": "ab" * 20,
+        "dirty": False, "machine": {"isa": "AMX", "cores": 2, "torch_threads": 2, "read_gb_s": 28.0}}))
+    (run / "parameters.json").write_text(json.dumps({
+        "verifier": "smollm2-135m-yarn32k", "speed_tokens": 128, "gamma": 4, "feature_draft_vocab": 8192,
+        "triforce_gammas": [2, 6]}))
+    (run / "feature_speed.csv").write_text(
+        "context,method,budget,speedup,predicted_speedup,ms_per_token,ar_ms_per_token,tokens_per_iteration,"
+        "acceptance,alpha,draft_ms,verify_ms,lossless,read_gb_s\n"
+        "16384,EAGLE (full cache),,1.1,1.2,90.0,99.0,2.0,0.3,0.35,3.0,120.0,True,26.0\n"
+        f"16384,{label},1024.0,1.05,1.15,94.3,99.0,1.9,0.28,0.33,2.5,120.0,True,27.0\n"
+        "16384,\"TriForce, feature level 1\",512.0,0.9,0.95,110.0,99.0,3.0,0.8,,,,True,25.0\n"
+        "16384,\"TriForce, prompt lookup level 1\",512.0,2.0,2.2,49.5,99.0,3.5,0.85,,,,True,25.0\n")
+    return run
+
+
+def test_the_speed_record_turns_notebook_06s_timed_runs_into_results_rows(tmp_path):
+    from sparsedraft.runner.results import record_speed
+    with pytest.raises(SparsedraftError, match="no finished run of notebook 06"):
+        record_speed(tmp_path / "outputs", "budgetdraft-long", tmp_path / "results")
+    _speed_run(tmp_path / "outputs")
+    path = record_speed(tmp_path / "outputs", "budgetdraft-long", tmp_path / "results")
+    record = json.loads(path.read_text())
+    assert path.name == "budgetdraft-speed-budgetdraft-long.json"
+    assert record["machine"]["read_gb_s"] == 26.0 and record["result"]["model"] == "smollm2-135m-yarn32k"
+    rows = record["result"]["rows"]
+    assert [(r["method"], r["options"]["draft"], r["options"].get("budget")) for r in rows] == [
+        ("spec", "feature", None), ("budgetdraft", "feature", 1024), ("triforce", "feature", 512),
+        ("triforce", "ngram", 512)]
+    assert rows[1]["options"] == {"draft": "feature", "budget": 1024, "gamma": 4, "draft_vocab": 8192}
+    assert rows[2]["options"]["gamma1"] == 2 and rows[2]["options"]["gamma2"] == 6
+    assert all(r["context"] == 16384 - 128 and r["tokens"] == 128 and r["tokens_match"] for r in rows)
+    lines = render_table(load_records(tmp_path / "results")).splitlines()
+    assert len(lines) == 2 + 4
+    assert ("| budgetdraft (draft feature, budget 1024, gamma 4, draft_vocab 8192) | smollm2-135m-yarn32k | 16,256 "
+            "| 128 greedy | 99.0 | 94.3 | **1.05x** (model 1.15x) | 0.28 | yes | 2026-12-05, abababa |") in lines[3]
+
+
+def test_the_speed_record_refuses_a_row_it_cannot_name(tmp_path):
+    from sparsedraft.runner.results import record_speed
+    _speed_run(tmp_path / "outputs", label="Medusa (tree)")
+    with pytest.raises(SparsedraftError, match="SPEED_METHODS"):
+        record_speed(tmp_path / "outputs", "budgetdraft-long", tmp_path / "results")
+
+
+def test_results_from_runs_records_each_notebook_the_profile_ran(tmp_path):
+    from sparsedraft.__main__ import main
+    outputs, results = tmp_path / "outputs", tmp_path / "results"
+    _speed_run(outputs)
+    (outputs / "run-budgetdraft-long.json").write_text(json.dumps({
+        "profile": "budgetdraft-long", "commit": "ab" * 20, "dirty": False, "date": "2026-12-05T19:00:00Z",
+        "wall_s": 4000.0, "peak_rss_mb": 6000, "machine": {"isa": "AMX", "read_gb_s": None}, "threads": None,
+        "notebooks": [{"notebook": "06_budgetdraft", "status": "ok", "wall_s": 3990.0,
+                       "run": "outputs/06_budgetdraft/budgetdraft-long-abc"}]}))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n{TIMES_BEGIN}\n{TIMES_END}\n")
+    assert main(["results", "--from-runs", str(outputs), "--profile", "budgetdraft-long", "--records", str(results),
+                 "--readme", str(readme)]) in (0, None)
+    assert sorted(p.name for p in results.iterdir()) == ["budgetdraft-speed-budgetdraft-long.json",
+                                                         "reproduce-budgetdraft-long.json"]
+    timing = json.loads((results / "reproduce-budgetdraft-long.json").read_text())
+    assert timing["machine"]["read_gb_s"] == 26.0  # the runner measured none: the timed runs' own
+    assert "| `budgetdraft-long` | 67 min | 06 3990 s |" in readme.read_text()
+    assert "budgetdraft (draft feature, budget 1024" in readme.read_text()
+
+
 def test_the_reproduce_record_carries_the_runners_timing(tmp_path):
     from sparsedraft.runner.results import record_timing
     outputs = tmp_path / "outputs"

@@ -92,21 +92,24 @@ def add_results_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--readme", default="README.md", help="file whose marked results table is rebuilt")
     parser.add_argument("--records", default=str(RESULTS_DIR), help="folder of records written by bench --record")
     parser.add_argument("--from-runs", default="", metavar="OUTPUTS",
-                        help="first record the newest finished notebook-05 run of --profile under this folder "
-                             "(e.g. outputs) as speedup-vs-context-<profile>.json (when the profile ran notebook "
-                             "05), and the runner's timing of that profile (run-<profile>.json) as "
-                             "reproduce-<profile>.json")
+                        help="first record the newest finished runs of --profile under this folder (e.g. outputs): "
+                             "notebook 05's curve as speedup-vs-context-<profile>.json and notebook 06's timed "
+                             "runs as budgetdraft-speed-<profile>.json (when the profile ran them), and the "
+                             "runner's timing of that profile (run-<profile>.json) as reproduce-<profile>.json")
     parser.add_argument("--profile", default="cpu",
                         help="profile of that run (default: cpu, make reproduce's; cpu-long: the 8K-32K curve)")
 
 
 def run_results(args: argparse.Namespace) -> None:
-    from .runner.results import draw_curves, ran_curve, record_curve, record_timing
+    from .runner.results import SPEED_NOTEBOOK, draw_curves, ran_notebook, record_curve, record_speed, record_timing
     if args.from_runs:
-        made, read = [], None
-        if ran_curve(args.from_runs, args.profile):
+        made = []
+        if ran_notebook(args.from_runs, args.profile):
             made.append(record_curve(args.from_runs, args.profile, args.records))
-            read = json.loads(made[0].read_text())["machine"]["read_gb_s"]
+        if ran_notebook(args.from_runs, args.profile, SPEED_NOTEBOOK):
+            made.append(record_speed(args.from_runs, args.profile, args.records))
+        reads = [json.loads(path.read_text())["machine"]["read_gb_s"] for path in made]
+        read = next((r for r in reads if r), None)  # the bandwidth those runs measured, where the runner took none
         made.append(record_timing(args.from_runs, args.profile, args.records, read))
         print(f"recorded {' and '.join(map(str, made))}", file=sys.stderr)
     print(refresh_readme(args.readme, args.records))

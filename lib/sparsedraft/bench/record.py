@@ -182,8 +182,9 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
 
 
 def _curve_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
-    """A notebook-05 curve record (:mod:`sparsedraft.runner.results`): each row carries its own context and AR
-    time, and TriForce's rows name the cost model's prediction beside the measured speedup."""
+    """A notebook run's record (:mod:`sparsedraft.runner.results`: notebook 05's curve, notebook 06's timed runs):
+    each row carries its own context and AR time, and the cost model's prediction beside the speedup where the
+    notebook made one."""
     m, result = record["machine"], record["result"]
     threads = m.get("torch_threads")
     threads = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
@@ -202,7 +203,7 @@ def _curve_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
 
 
 RENDERERS: dict[str, Callable[[str, dict[str, Any]], list[list[str]]]] = {"compare": _compare_rows,
-                                                                          "curve": _curve_rows}
+                                                                          "curve": _curve_rows, "speed": _curve_rows}
 HEADER = ["method (options)", "model", "context", "tokens", "AR ms/tok", "method ms/tok", "speedup",
           "acceptance (per level)", "tokens = AR", "date, commit", "machine: ISA, torch threads, read, load", "record"]
 

@@ -9,7 +9,9 @@ profile (``cpu``: ``make reproduce``, 4K-8K; ``cpu-long``: 8K-32K) into
 ``docs/results/speedup-vs-context-<profile>.json``, with the commit, date,
 machine and wall time the runner recorded for that run; :func:`record_timing`
 keeps the runner's timing of the whole profile and each notebook's metrics (what docs/
-cites of a notebook's results), also for profiles that run no curve (:func:`ran_curve`). :func:`draw_curves` draws the
+cites of a notebook's results), also for profiles that run no curve (:func:`ran_notebook`). The
+results table's EAGLE and BudgetDraft rows come from notebook 06 the same way: :func:`record_speed`
+turns its timed runs of the feature drafter into ``budgetdraft-speed-<profile>.json``. :func:`draw_curves` draws the
 README's one figure from every curve record, each context from the newest
 record that holds it, so ``python -m sparsedraft results --from-runs outputs``
 refreshes the table, the run times and the figure, and nothing in them is
@@ -35,6 +37,12 @@ NOTEBOOK = "05"
 # What the run holds: the best setting per context and every run of the grid (both required), the level-1 race.
 BEST, RUNS, RACE = "speedup_vs_context.csv", "speedup_vs_context_runs.csv", "level1_race.csv"
 RACE2 = "level2_race.csv"  # TriForce with quantised level-2 weights beside full precision (optional)
+SPEED_RECORD = "budgetdraft-speed-{profile}.json"
+SPEED_NOTEBOOK = "06"
+SPEED = "feature_speed.csv"  # notebook 06's timed runs of the feature drafter
+# Notebook 06's row labels and the decode() method each one ran
+SPEED_METHODS = {"EAGLE (full cache)": "spec", "BudgetDraft (budget cache)": "budgetdraft",
+                 "TriForce, feature level 1": "triforce", "TriForce, prompt lookup level 1": "triforce"}
 
 
 def _row(method: str, options: dict[str, Any], context: int, run: dict[str, Any], tokens: int) -> dict[str, Any]:
@@ -83,44 +91,96 @@ def curve_rows(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def record_curve(outputs: str | Path = "outputs", profile: str = "cpu", folder: str | Path = RESULTS_DIR) -> Path:
-    """Write ``folder/speedup-vs-context-<profile>.json`` from the newest finished notebook-05 run of
-    ``profile`` under ``outputs``; one error naming what is missing when no such run holds the curve."""
-    found = latest_results(outputs, NOTEBOOK, profile)
-    require(found is not None, f"no finished run of notebook {NOTEBOOK} with profile {profile!r} under {outputs}: "
+def _finished_run(outputs: str | Path, profile: str, notebook: str, files: tuple[str, ...], what: str,
+                  fix: str) -> tuple[Path, dict[str, Any]]:
+    """The newest finished run of ``notebook`` of ``profile`` under ``outputs`` and the runner's record of it,
+    after checking that it holds ``files`` and names its commit and machine; one error naming what is missing."""
+    found = latest_results(outputs, notebook, profile)
+    require(found is not None, f"no finished run of notebook {notebook} with profile {profile!r} under {outputs}: "
                                f"run `make reproduce` (or `python -m sparsedraft run --profile {profile} "
-                               f"--notebooks {NOTEBOOK}`) first")
+                               f"--only {notebook}`) first")
     run_dir = Path(found["run"])
-    missing = [name for name in (BEST, RUNS) if not (run_dir / name).is_file()]
-    require(not missing, f"{run_dir} holds no speedup-vs-context curve ({', '.join(missing)} missing): that run "
-                         "had curve_contexts empty; rerun notebook 05 with curve contexts")
+    missing = [name for name in files if not (run_dir / name).is_file()]
+    require(not missing, f"{run_dir} holds no {what} ({', '.join(missing)} missing): {fix}")
     run = read_record(run_dir) or {}
     require(run.get("commit") and run.get("machine"), f"{run_dir}/run.json names no commit or machine (written by "
-                                                      "an older runner); rerun notebook 05 to record them")
-    rows = curve_rows(run_dir)
+                                                      f"an older runner); rerun notebook {notebook} to record them")
+    return run_dir, run
+
+
+def _write_run_record(path: Path, profile: str, notebook: str, run_dir: Path, run: dict[str, Any], bench: str,
+                      model: str | None, rows: list[dict[str, Any]]) -> Path:
+    """A record of ``rows`` measured in the notebook run ``run_dir``: the run's commit, date and machine, the
+    median of the rows' own read bandwidths (each timed region measured its own) as the machine's."""
     speeds = sorted(r["read_gb_s"] for r in rows if r.get("read_gb_s") is not None)
-    parameters = json.loads((run_dir / PARAMETERS_FILE).read_text())
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"command": f"python -m sparsedraft run --profile {profile} --notebooks {NOTEBOOK}",
+    record = {"command": f"python -m sparsedraft run --profile {profile} --only {notebook}",
               "commit": run["commit"], "dirty": run.get("dirty"), "date": run["started"],
               "machine": {**run["machine"], "read_gb_s": speeds[len(speeds) // 2] if speeds else None,
                           "torch_threads": run.get("threads") or run["machine"].get("torch_threads")},
-              "result": {"bench": "curve", "run": str(run_dir), "wall_s": run.get("wall_s"),
-                         "model": parameters.get("curve_model"), "rows": rows}}
-    path = out / CURVE_RECORD.format(profile=profile)
+              "result": {"bench": bench, "run": str(run_dir), "wall_s": run.get("wall_s"), "model": model,
+                         "rows": rows}}
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, default=str) + "\n")
     return path
 
 
-def ran_curve(outputs: str | Path = "outputs", profile: str = "cpu") -> bool:
-    """Whether the runner's last run of ``profile`` (``outputs/run-<profile>.json``) ran notebook 05, whose curve
-    :func:`record_curve` records; profiles without it (``batch-16k``, ``long-quality``...) get a timing only."""
+def record_curve(outputs: str | Path = "outputs", profile: str = "cpu", folder: str | Path = RESULTS_DIR) -> Path:
+    """Write ``folder/speedup-vs-context-<profile>.json`` from the newest finished notebook-05 run of
+    ``profile`` under ``outputs``; one error naming what is missing when no such run holds the curve."""
+    run_dir, run = _finished_run(outputs, profile, NOTEBOOK, (BEST, RUNS), "speedup-vs-context curve",
+                                 "that run had curve_contexts empty; rerun notebook 05 with curve contexts")
+    parameters = json.loads((run_dir / PARAMETERS_FILE).read_text())
+    return _write_run_record(Path(folder) / CURVE_RECORD.format(profile=profile), profile, NOTEBOOK, run_dir, run,
+                             "curve", parameters.get("curve_model"), curve_rows(run_dir))
+
+
+def speed_rows(folder: Path) -> list[dict[str, Any]]:
+    """Notebook 06's timed runs of the feature drafter in ``folder`` (one compare per speed context, every row
+    checked against plain decoding): EAGLE over its full cache, BudgetDraft over its budget cache, TriForce with
+    it and with prompt lookup at level 1, each with the cost model's prediction from the run's own parts. The
+    context is the prompt's length, as in every other row of the results table."""
+    p = json.loads((folder / PARAMETERS_FILE).read_text())
+    tokens, gamma, vocab = p["speed_tokens"], p["gamma"], p["feature_draft_vocab"]
+    gamma1, gamma2 = p["triforce_gammas"]
+    rows = []
+    for r in read_table(folder / SPEED):
+        method = SPEED_METHODS.get(r["method"])
+        require(method is not None, f"{folder / SPEED} names a method {r['method']!r} this reader does not know "
+                                    f"({sorted(SPEED_METHODS)}); add it to runner.results.SPEED_METHODS")
+        if method == "spec":
+            options = {"draft": "feature", "draft_cache": "full", "gamma": gamma, "draft_vocab": vocab}
+        elif method == "budgetdraft":
+            options = {"draft": "feature", "budget": int(r["budget"]), "gamma": gamma, "draft_vocab": vocab}
+        else:
+            options = {"draft": "ngram" if "prompt lookup" in r["method"] else "feature", "budget": int(r["budget"]),
+                       "gamma1": gamma1, "gamma2": gamma2}
+        acceptance = {} if r.get("acceptance") is None else {"target": r["acceptance"]}
+        rows.append({"method": method, "options": options, "context": int(r["context"]) - tokens, "tokens": tokens,
+                     "ar_ms_per_token": r["ar_ms_per_token"], "ms_per_token": r["ms_per_token"],
+                     "speedup": r["speedup"], "predicted_speedup": r.get("predicted_speedup"),
+                     "acceptance": acceptance, "tokens_match": r["lossless"], "read_gb_s": r.get("read_gb_s")})
+    return rows
+
+
+def record_speed(outputs: str | Path = "outputs", profile: str = "cpu", folder: str | Path = RESULTS_DIR) -> Path:
+    """Write ``folder/budgetdraft-speed-<profile>.json`` from the newest finished notebook-06 run of ``profile``
+    under ``outputs``: the README's BudgetDraft and EAGLE rows."""
+    run_dir, run = _finished_run(outputs, profile, SPEED_NOTEBOOK, (SPEED, PARAMETERS_FILE),
+                                 "timed runs of the feature drafter", "rerun notebook 06 with speed_contexts")
+    parameters = json.loads((run_dir / PARAMETERS_FILE).read_text())
+    return _write_run_record(Path(folder) / SPEED_RECORD.format(profile=profile), profile, SPEED_NOTEBOOK, run_dir,
+                             run, "speed", parameters.get("verifier"), speed_rows(run_dir))
+
+
+def ran_notebook(outputs: str | Path = "outputs", profile: str = "cpu", notebook: str = NOTEBOOK) -> bool:
+    """Whether the runner's last run of ``profile`` (``outputs/run-<profile>.json``) ran ``notebook``: 05 gives
+    :func:`record_curve` its curve, 06 :func:`record_speed` its timed runs; profiles without them
+    (``batch-16k``, ``long-quality``...) get a timing only."""
     source = Path(outputs) / f"run-{profile}.json"
     require(source.is_file(), f"no timing in {source}: run `python -m sparsedraft run --profile {profile} "
                               "--measure-machine` first")
     rows = json.loads(source.read_text()).get("notebooks", [])
-    return any(row["notebook"][:2] == NOTEBOOK for row in rows)
+    return any(row["notebook"][:2] == notebook for row in rows)
 
 
 def record_timing(outputs: str | Path = "outputs", profile: str = "cpu", folder: str | Path = RESULTS_DIR,
