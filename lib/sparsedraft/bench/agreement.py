@@ -14,8 +14,6 @@ Not a test: ``python -m sparsedraft.bench.agreement --draft data/drafters/featur
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ from ..engine.weights import load_model
 from ..errors import require
 from ..speculative.feature import load_feature_head, read_record
 from ..speculative.loading import has_checkpoint
-from .record import write_module_record
+from .record import finish_module
 
 
 def measure(draft: str, context: int = 4096, prompts: int = 6, tokens: int = 160, draft_vocab: int = 8192,
@@ -77,10 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  gamma {gamma}: {row['accepted_per_round']:.2f} drafts kept per round")
     if "slice_first_draft" in report:
         print(f"slice drafter {args.slice}: first draft {report['slice_first_draft']['first_draft']:.1%}")
-    if args.record:
-        print(f"record written to {write_module_record(args.record, 'agreement', argv, result, started)}",
-              file=sys.stderr)
-    print(json.dumps(result, default=str))
+    finish_module(args.record, 'agreement', argv, result, started)
 
 
 if __name__ == "__main__":

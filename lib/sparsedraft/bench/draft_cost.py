@@ -23,9 +23,7 @@ against the verifier its record names, prints the rows and the read bandwidth, a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -121,7 +119,7 @@ def drafter_verifier(folder: str | Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from ..engine.weights import load_model
-    from .record import write_module_record
+    from .record import finish_module
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True, help="a trained drafter folder (train-drafter, either kind)")
@@ -162,10 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"bench": "draft_cost", "draft": args.draft, "kind": kind, "model": model, "context": args.context,
               "budget": args.budget, "gamma": args.gamma, "repeats": args.repeats,
               "threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows]}
-    if args.record:
-        print(f"record written to {write_module_record(args.record, 'draft_cost', argv, result, started)}",
-              file=sys.stderr)
-    print(json.dumps(result, default=str))
+    finish_module(args.record, 'draft_cost', argv, result, started)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ gets the same q and cache views. Prints a table, then one JSON object as the las
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
 import torch
@@ -28,7 +26,7 @@ from ..engine.kernels import MAX_LINEAR_ROWS, attend, available, linear, on_tile
 from ..engine.machine import best_isa, peak_gflops, provenance
 from ..engine.roofline import measure_read_bandwidth
 from ..errors import require
-from .record import write_module_record
+from .record import finish_module
 from .timing import interleaved_runs, median_ms
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -170,10 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['context']:>8} {row['T']:>3} {row['dtype']:>5} {row['method']:>21} {row['ms']:>8.2f} "
               f"{row['kv_gb_s']:>8.1f} {row['kv_mb']:>7.1f}")
     result = {"bench": "kernel_timing", "threads": torch.get_num_threads(), "kernels": path(), "rows": rows}
-    if args.record:
-        print(f"record written to {write_module_record(args.record, 'kernel_timing', argv, result, started)}",
-              file=sys.stderr)
-    print(json.dumps(result))
+    finish_module(args.record, 'kernel_timing', argv, result, started)
 
 
 def _main_linear(args, argv: list[str] | None) -> None:
@@ -193,10 +188,7 @@ def _main_linear(args, argv: list[str] | None) -> None:
     result = {"bench": "kernel_timing", "kind": "linear", "isa": best_isa(cpu_flags()), "read_gb_s": read,
               "peak_gflops": {d: round(peaks[d], 1) for d in args.dtype}, "threads": torch.get_num_threads(),
               "kernels": path(), "rows": rows}
-    if args.record:
-        print(f"record written to {write_module_record(args.record, 'kernel_timing', argv, result, started, read)}",
-              file=sys.stderr)
-    print(json.dumps(result))
+    finish_module(args.record, 'kernel_timing', argv, result, started, read)
 
 
 if __name__ == "__main__":

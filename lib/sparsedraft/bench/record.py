@@ -59,6 +59,16 @@ def write_module_record(path: str | Path, module: str, argv: list[str] | None, r
     return write_record(path, result, read_gb_s, command, started)
 
 
+def finish_module(record: str, module: str, argv: list[str] | None, result: dict[str, Any],
+                  started: dict[str, Any], read_gb_s: float | None = None) -> None:
+    """How every ``python -m sparsedraft.bench.<module>`` command ends: its record when ``--record`` named one
+    (:func:`write_module_record`), then its one JSON line on stdout."""
+    if record:
+        print(f"record written to {write_module_record(record, module, argv, result, started, read_gb_s)}",
+              file=sys.stderr)
+    print(json.dumps(result, default=str))
+
+
 def write_record(path: str | Path, result: dict[str, Any], read_gb_s: float | None = None,
                  command: str | None = None, started: dict[str, Any] | None = None) -> Path:
     """Write ``result`` (a bench's ``to_dict()``) with its provenance to ``path`` as indented JSON.

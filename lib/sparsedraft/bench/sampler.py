@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import sys
 import time
 
 import torch
@@ -25,7 +23,7 @@ from ..engine.model import Transformer, gemm_batches
 from ..engine.roofline import attention_flops, weight_flops
 from ..engine.weights import load_model
 from ..errors import require
-from .record import write_module_record
+from .record import finish_module
 from .timing import interleaved_runs, median_ms
 
 PATHS = {"row-exact kernel": contextlib.nullcontext, "torch GEMM": gemm_batches}
@@ -94,10 +92,7 @@ def main(argv: list[str] | None = None) -> None:
               (f"   {row['speedup']:.2f}x the kernel" if "speedup" in row else ""))
     result = {"bench": "sampler", "model": args.model, "threads": torch.get_num_threads(),
               "peak_gflops": {"fp32": round(peak, 1)}, "rows": rows}
-    if args.record:
-        print(f"record written to {write_module_record(args.record, 'sampler', argv, result, started)}",
-              file=sys.stderr)
-    print(json.dumps(result))
+    finish_module(args.record, 'sampler', argv, result, started)
 
 
 if __name__ == "__main__":

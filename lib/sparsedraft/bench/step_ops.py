@@ -11,8 +11,6 @@ table, then one JSON object as the last line.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from collections.abc import Callable
 from unittest import mock
@@ -27,7 +25,7 @@ from ..engine.rope import Angles
 from ..engine.weights import load_model
 from ..errors import require
 from .ar import random_cache
-from .record import write_module_record
+from .record import finish_module
 from .timing import interleaved_runs, median_ms
 
 
@@ -112,10 +110,7 @@ def main(argv: list[str] | None = None) -> None:
               f"kernels, {row['torch_ops_ms']:.1f} ms with torch's ops ({100 * row['saved']:.0f}% saved)")
     result = {"bench": "step_ops", "isa": best_isa(cpu_flags()), "kernels": kernels.path(),
               "threads": torch.get_num_threads(), "ops": ops, "rows": steps}
-    if args.record:
-        print(f"record written to {write_module_record(args.record, 'step_ops', argv, result, started)}",
-              file=sys.stderr)
-    print(json.dumps(result))
+    finish_module(args.record, 'step_ops', argv, result, started)
 
 
 if __name__ == "__main__":
