@@ -35,8 +35,8 @@ def test_the_plan_says_which_runs_have_no_estimate_and_the_bar_counts_them_at_th
     record(tmp_path, "02_b", "cpu-1", profile="cpu", status="ok", wall_s=240.0, started="2026-12-01T00:00:00")
     runs = [run_of(tmp_path, n) for n in ("01_a", "02_b", "03_c")]
     plan = Plan.of(runs)
-    assert plan.summary() == "3 notebook run(s), about 6 min for the 2 with a recorded time; 1 never ran here, " \
-                             "so no estimate for them"
+    assert plan.summary() == "3 notebook run(s), about 6 min for the 2 with a recorded time; 1 never ran here or " \
+                             "in a committed record, so no estimate for them"
     assert plan.seconds("03_c:" + runs[2].run_id) == 180.0
     overall = Overall(runs, show=False)
     for run in runs:
@@ -44,3 +44,18 @@ def test_the_plan_says_which_runs_have_no_estimate_and_the_bar_counts_them_at_th
     overall.close()
     assert overall.count == 3
     assert capsys.readouterr().out.startswith("plan: 3 notebook run(s)")
+
+
+def test_a_fresh_clone_takes_the_profiles_committed_timing_record(tmp_path):
+    committed = tmp_path / "results" / "reproduce-{profile}.json"
+    committed.parent.mkdir()
+    (tmp_path / "results" / "reproduce-cpu.json").write_text(json.dumps({"result": {"rows": [
+        {"notebook": "05_a", "status": "ok", "wall_s": 638.0}, {"notebook": "06_b", "status": "failed", "wall_s": 9.0}]}}))
+    outputs = tmp_path / "outputs"
+    assert recorded_seconds(run_of(outputs, "05_a"), committed) == 638.0
+    assert recorded_seconds(run_of(outputs, "06_b"), committed) is None  # a failed run is no estimate
+    assert recorded_seconds(run_of(outputs, "05_a", "quick"), committed) is None  # no record for that profile
+    record(outputs, "05_a", "cpu-1", profile="cpu", status="ok", wall_s=100.0, started="2026-12-01T00:00:00")
+    assert recorded_seconds(run_of(outputs, "05_a"), committed) == 100.0  # a run here beats the record
+    (tmp_path / "results" / "reproduce-cpu.json").write_text("[1, 2]")
+    assert recorded_seconds(run_of(outputs, "06_b"), committed) is None  # not a timing record

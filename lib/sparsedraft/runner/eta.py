@@ -3,8 +3,11 @@
 A notebook's expected time is the wall time of its newest finished run under
 the same profile in ``outputs/`` (any profile when that one never ran: a
 rough guess beats none), so ``make reproduce`` on a machine that ran it once
-shows an honest ETA from the first notebook on. A notebook that never ran
-anywhere has no estimate; the plan line says how many are in that case
+shows an honest ETA from the first notebook on. A fresh clone has no
+``outputs/``: there the committed timing record of the profile
+(``docs/results/reproduce-<profile>.json``, written by
+:func:`~sparsedraft.runner.results.record_timing` on the machine it names)
+gives the estimate. A notebook that never ran anywhere has no estimate; the plan line says how many are in that case
 instead of inventing a figure, and the bar counts them at the mean of the
 others. The bar's unit is those expected seconds, so tqdm's own rate gives
 the ETA: a machine running at half the recorded speed shows twice the time.
@@ -12,16 +15,23 @@ the ETA: a machine running at half the recorded speed shows twice the time.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..progress import bar
 from .config import NotebookRun
 from .execute import read_record
 
+# A profile's committed timing (the name runner.results.record_timing gives it), relative to the repository root
+COMMITTED = Path("docs/results") / "reproduce-{profile}.json"
 
-def recorded_seconds(run: NotebookRun) -> float | None:
-    """Wall seconds of the newest ``ok`` run of ``run``'s notebook in its outputs folder (same profile first)."""
+
+def recorded_seconds(run: NotebookRun, committed: Path = COMMITTED) -> float | None:
+    """Wall seconds of the newest ``ok`` run of ``run``'s notebook in its outputs folder (same profile first),
+    else of its row in the profile's committed timing record (``committed``, formatted with the profile)."""
     folder = run.outputs_dir / run.name
     records = [r for r in (read_record(f) for f in folder.iterdir() if f.is_dir())] if folder.is_dir() else []
     done = sorted((r for r in records if r and r.get("status") == "ok" and r.get("wall_s") is not None),
@@ -30,7 +40,13 @@ def recorded_seconds(run: NotebookRun) -> float | None:
         for record in done:
             if not same_profile or record.get("profile") == run.profile:
                 return float(record["wall_s"])
-    return None
+    path = Path(str(committed).format(profile=run.profile))
+    try:
+        rows = json.loads(path.read_text())["result"]["rows"] if path.is_file() else []
+    except (ValueError, KeyError, TypeError):  # not a timing record: no estimate rather than a wrong one
+        rows = []
+    return next((float(r["wall_s"]) for r in rows if isinstance(r, dict) and r.get("notebook") == run.name
+                 and r.get("status") == "ok" and r.get("wall_s") is not None), None)
 
 
 @dataclass
@@ -57,7 +73,7 @@ class Plan:
         if known:
             text += f", about {sum(known) / 60:.0f} min for the {len(known)} with a recorded time"
         if unknown:
-            text += f"; {unknown} never ran here, so no estimate for them"
+            text += f"; {unknown} never ran here or in a committed record, so no estimate for them"
         return text
 
 
