@@ -132,6 +132,12 @@ def test_draft_cost_command_times_a_drafter_folder_against_the_verifier_its_reco
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["kind"] == "feature" and result["model"] == "tiny-qwen2" and result["context"] == 300
     assert [r["draft_vocab"] for r in result["rows"]] == [model.cfg.vocab_size, 16]
+    assert result["read_gb_s"] > 0 and result["peak_gflops"]["fp32"] > 0 and result["isa"]
+    steps = {s["step"]: s for s in result["steps"]}
+    assert set(steps) == {"decode", "verify-5", f"draft (head {model.cfg.vocab_size})", "draft (head 16)"}
+    assert all(s["roofline_ms"] > 0 and s["over_roofline"] == pytest.approx(s["ms"] / s["roofline_ms"])
+               for s in steps.values())
+    assert steps["draft (head 16)"]["gb"] < steps[f"draft (head {model.cfg.vocab_size})"]["gb"] < steps["decode"]["gb"]
     written = json.loads(record.read_text())
     assert written["result"]["rows"] == result["rows"] and written["machine"]["read_gb_s"] > 0
     assert written["command"].startswith("python -m sparsedraft.bench.draft_cost --draft")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,12 +34,14 @@ from ..caches.budget import BudgetCache
 from ..engine.data import corpus_tokens, model_tokenizer
 from ..engine.machine import provenance
 from ..engine.model import Transformer
-from ..engine.runtime import synchronize
+from ..engine.runtime import DTYPES, synchronize
 from ..errors import require
 from ..speculative.feature import Entries, FeatureHead, read_record
 from ..speculative.loading import FEATURE, drafter_kind, load_trained, read_state, trained_scoring
 from ..speculative.vocab import coverage, frequent_tokens, restrict_head
+from ..engine.roofline import step_cost
 from .ar import random_cache
+from .steps import StepRow, step_row, steps_table
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,34 @@ def drafter_verifier(folder: str | Path) -> str:
     return read_record(folder)["recipe"]["verifier"] if kind == FEATURE else read_state(folder)["config"]["verifier"]
 
 
+def step_roofline(verifier: Transformer, drafter: Transformer | FeatureHead, rows: list[DraftCostRow],
+                  context: int, budget: int, read_bytes_per_s: float, peak_gflops: float) -> list[StepRow]:
+    """The timed steps of ``rows`` beside this machine's roofline (:mod:`.steps`): the verifier's decode and
+    (gamma + 1)-token verification over ``context`` cached tokens, and each head's draft step over its
+    ``budget``-token cache. A feature head's step is one layer of the target plus its input projection
+    (read once per step, counted as weights) and the head over its draft vocabulary; a slice drafter's is its
+    own layers and head. Weights and cache are counted at the verifier's dtype."""
+    size = verifier.dtype.itemsize
+    dtype = next(name for name, value in DTYPES.items() if value == verifier.dtype)
+    first = rows[0]
+    out = [step_row("decode", dtype, first.verifier_ms, step_cost(verifier.cfg, context, 1, size), read_bytes_per_s,
+                    peak_gflops),
+           step_row(f"verify-{first.verify_tokens}", dtype, first.verify_ratio * first.verifier_ms,
+                    step_cost(verifier.cfg, context, first.verify_tokens, size), read_bytes_per_s, peak_gflops)]
+    for row in rows:
+        cfg = (drafter.layer_config(drafter.cfg) if isinstance(drafter, FeatureHead) else drafter.cfg)
+        cost = step_cost(cfg.replace(vocab_size=row.draft_vocab), budget, 1, size)
+        if isinstance(drafter, FeatureHead):  # fc: [feature width + hidden] -> hidden, one matvec a step
+            fc = drafter.fc.weight.numel()
+            cost = replace(cost, weight_bytes=cost.weight_bytes + fc * size, weight_flops=cost.weight_flops + 2 * fc)
+        out.append(step_row(f"draft (head {row.draft_vocab})", dtype, row.draft_ms, cost, read_bytes_per_s,
+                            peak_gflops))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
+    from ..engine import machine
+    from ..engine.roofline import measure_read_bandwidth
     from ..engine.weights import load_model
     from .record import finish_module
 
@@ -148,19 +177,26 @@ def main(argv: list[str] | None = None) -> None:
     prompt = corpus_tokens(tokenizer, args.split)[:args.context][None]
     require(prompt.shape[1] == args.context, f"the {args.split} split holds {prompt.shape[1]} tokens, fewer than "
                                              f"--context {args.context}; pick a shorter context or another split")
+    path = machine.report(target.device)  # which kernels ran, printed before the timing
+    read = measure_read_bandwidth(target.device)
+    peak = machine.peak_gflops(["fp32"], target.device)["fp32"]
     rows = draft_step_costs(target, drafter, prompt, args.budget, args.draft_vocab, tokenizer, args.repeats,
                             scoring=trained_scoring(args.draft), verify_tokens=args.gamma + 1)
+    steps = step_roofline(target, drafter, rows, args.context, args.budget, read, peak)
     kind = "feature" if isinstance(drafter, FeatureHead) else "slice"
+    print(f"{path}; read {read / 1e9:.1f} GB/s, fp32 matmul peak {peak:.0f} GFLOP/s")
     print(f"{kind} drafter {args.draft} over a {args.budget}-token budget cache, verifier {model} at "
           f"{args.context:,} tokens ({rows[0].verifier_ms:.1f} ms per decode step; a {args.gamma + 1}-token "
           f"verification {rows[0].verify_ratio:.2f} of them)")
     for row in rows:
         print(f"  head over {row.draft_vocab:,} tokens ({row.heldout_coverage:.1%} of held-out text): "
               f"{row.draft_ms:.2f} ms, {row.ratio:.1%} of a decode step")
-    result = {"bench": "draft_cost", "draft": args.draft, "kind": kind, "model": model, "context": args.context,
-              "budget": args.budget, "gamma": args.gamma, "repeats": args.repeats,
-              "threads": torch.get_num_threads(), "rows": [asdict(r) for r in rows]}
-    finish_module(args.record, 'draft_cost', argv, result, started)
+    print(steps_table(steps))
+    result = {"bench": "draft_cost", "isa": path.to_dict(), "read_gb_s": read / 1e9, "peak_gflops": {"fp32": peak},
+              "draft": args.draft, "kind": kind, "model": model, "context": args.context, "budget": args.budget,
+              "gamma": args.gamma, "repeats": args.repeats, "threads": torch.get_num_threads(),
+              "rows": [asdict(r) for r in rows], "steps": [asdict(s) for s in steps]}
+    finish_module(args.record, 'draft_cost', argv, result, started, read / 1e9)
 
 
 if __name__ == "__main__":
