@@ -23,10 +23,11 @@ from typing import Any
 
 from ..progress import bar
 from .config import NotebookRun
+from ..bench.record import RESULTS_DIR
 from .execute import read_record
+from .results import TIMING_RECORD
 
-# A profile's committed timing (the name runner.results.record_timing gives it), relative to the repository root
-COMMITTED = Path("docs/results") / "reproduce-{profile}.json"
+COMMITTED = RESULTS_DIR / TIMING_RECORD  # a profile's committed timing, relative to the repository root
 
 
 def recorded_seconds(run: NotebookRun, committed: Path = COMMITTED) -> float | None:
