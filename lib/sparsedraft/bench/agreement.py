@@ -23,15 +23,15 @@ from ..engine.data import model_tokenizer
 from ..engine.machine import provenance
 from ..engine.weights import load_model
 from ..errors import require
-from ..speculative.feature import load_feature_head, read_record
-from ..speculative.loading import has_checkpoint
+from ..speculative.feature import load_feature_head
+from ..speculative.loading import has_checkpoint, trained_verifier
 from .record import finish_module
 
 
 def measure(draft: str, context: int = 4096, prompts: int = 6, tokens: int = 160, draft_vocab: int = 8192,
             slice_run: str = "", cache_dir: str = "data/cache/feature") -> dict:
     """The agreement report of the drafter in ``draft`` against the target its record names."""
-    verifier = read_record(draft)["recipe"]["verifier"]
+    verifier = trained_verifier(draft)
     require(not slice_run or has_checkpoint(Path(slice_run)), f"no slice drafter in {slice_run}: pass a BudgetDraft "
                                                               "run folder (train-drafter --kind slice) or leave --slice out")
     target = load_model(verifier)

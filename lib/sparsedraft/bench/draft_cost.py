@@ -31,16 +31,19 @@ from pathlib import Path
 import torch
 
 from ..caches.budget import BudgetCache
+from ..engine import machine
 from ..engine.data import corpus_tokens, model_tokenizer
 from ..engine.machine import provenance
 from ..engine.model import Transformer
+from ..engine.roofline import measure_read_bandwidth, step_cost
 from ..engine.runtime import DTYPES, synchronize
+from ..engine.weights import load_model
 from ..errors import require
-from ..speculative.feature import Entries, FeatureHead, read_record
-from ..speculative.loading import FEATURE, drafter_kind, load_trained, read_state, trained_scoring
+from ..speculative.feature import Entries, FeatureHead
+from ..speculative.loading import load_trained, trained_scoring, trained_verifier
 from ..speculative.vocab import coverage, frequent_tokens, restrict_head
-from ..engine.roofline import step_cost
 from .ar import random_cache
+from .record import finish_module
 from .steps import StepRow, step_row, steps_table
 
 
@@ -112,13 +115,6 @@ def draft_step_costs(verifier: Transformer, drafter: Transformer | FeatureHead, 
     return rows
 
 
-def drafter_verifier(folder: str | Path) -> str:
-    """The verifier a trained drafter folder names (its record's recipe, or a slice run's training config)."""
-    kind = drafter_kind(folder)
-    require(kind is not None, f"{folder} holds no trained drafter; pass a folder written by sparsedraft train-drafter")
-    return read_record(folder)["recipe"]["verifier"] if kind == FEATURE else read_state(folder)["config"]["verifier"]
-
-
 def step_roofline(verifier: Transformer, drafter: Transformer | FeatureHead, rows: list[DraftCostRow],
                   context: int, budget: int, read_bytes_per_s: float, peak_gflops: float) -> list[StepRow]:
     """The timed steps of ``rows`` beside this machine's roofline (:mod:`.steps`): the verifier's decode and
@@ -145,11 +141,6 @@ def step_roofline(verifier: Transformer, drafter: Transformer | FeatureHead, row
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ..engine import machine
-    from ..engine.roofline import measure_read_bandwidth
-    from ..engine.weights import load_model
-    from .record import finish_module
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True, help="a trained drafter folder (train-drafter, either kind)")
     parser.add_argument("--model", default="", help="the verifier (default: the one the drafter's record names)")
@@ -167,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     require(Path(args.draft).is_dir(), f"no drafter folder {args.draft}")
     require(args.context > args.budget > 0, f"--context {args.context} must exceed --budget {args.budget} > 0")
     require(args.gamma >= 1, f"--gamma must be >= 1, got {args.gamma}")
-    model = args.model or drafter_verifier(args.draft)
+    model = args.model or trained_verifier(args.draft)
     started = provenance()
     target = load_model(model).eval()
     require(args.context <= target.cfg.max_position_embeddings,

@@ -92,6 +92,15 @@ def trained_scoring(folder: str | Path) -> str:
     return recipe.get("scoring", "attention")
 
 
+def trained_verifier(folder: str | Path) -> str:
+    """The verifier the drafter in ``folder`` was trained for, as its training named it (a feature drafter's
+    record, a slice run's config): what a bench loads when no model is given."""
+    recipe = read_state(folder)["config"] if _kind(folder) == SLICE else read_record(folder).get("recipe", {})
+    verifier = recipe.get("verifier") if isinstance(recipe, dict) else None
+    require(verifier, f"{folder} does not name the verifier it was trained for; pass the model explicitly")
+    return verifier
+
+
 @functools.lru_cache(maxsize=8)
 def tokenizer_digest(source: str) -> str:
     """A short sha256 of the token -> id map of model ``source``'s tokenizer (tiny random models share the
