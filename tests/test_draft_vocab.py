@@ -145,6 +145,9 @@ def test_draft_cost_command_times_a_drafter_folder_against_the_verifier_its_reco
         main(["--draft", str(folder), "--context", "64", "--budget", "64"])
     with pytest.raises(SparsedraftError, match="holds no trained drafter"):
         main(["--draft", str(tmp_path)])
+    nameless = save_feature_head(head, tmp_path / "nameless", model, {"recipe": "test"})
+    with pytest.raises(SparsedraftError, match="does not name the verifier"):
+        main(["--draft", str(nameless)])
 
 
 def test_needed_acceptance_inverts_the_two_level_cost_model():
