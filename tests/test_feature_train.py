@@ -9,7 +9,7 @@ import torch
 
 from sparsedraft.__main__ import main
 from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
-from sparsedraft.budgetdraft.feature_eval import accepted_per_round, agreement_summary, by_confidence
+from sparsedraft.budgetdraft.feature_eval import accepted_per_round, agreement_summary, by_confidence, chain_conditionals
 from sparsedraft.budgetdraft.feature_loss import TokenHead, token_ce, unroll
 from sparsedraft.budgetdraft import feature_train
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
@@ -257,6 +257,14 @@ def test_greedy_rounds_skip_past_the_bonus_token():
     hits = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
     assert accepted_per_round(hits, 3) == [2, 1, 3]  # rows 0, 3 (0 + 2 + 1), 5 (3 + 1 + 1)
     assert accepted_per_round(hits, 1) == [1, 0, 1, 1]  # rows 0, 2, 3, 5
+
+
+def test_chain_conditionals_count_only_rounds_whose_earlier_drafts_all_held():
+    hits = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1]], dtype=torch.bool)
+    got = chain_conditionals(hits)
+    assert [(c["reached"], c["kept"]) for c in got] == [(4, 3), (3, 2), (2, 1)]  # row 1's later hits never count
+    assert got[1]["rate"] == pytest.approx(2 / 3) and got[2]["rate"] == 0.5
+    assert chain_conditionals(torch.zeros(2, 2, dtype=torch.bool))[1]["rate"] is None
 
 
 def test_greedy_continuations_are_each_prompts_own_greedy_decode(tmp_path, monkeypatch):

@@ -3,7 +3,8 @@
 The training run measures it once, at its end (``budgetdraft.feature_eval.final_report``). This command
 measures any drafter folder the same way, on the same cached positions: the target's own greedy
 continuations of held-out prompts (what a greedy speculative decoder's first draft faces). It prints and
-records the first draft's agreement, the drafts kept per round that those continuations imply at each gamma,
+records the first draft's agreement, the drafts kept per round that those continuations imply at each gamma
+(and how often draft j is kept once drafts 1..j-1 were, which says where rounds stop),
 that agreement split by the target's own top-1 probability at each position (how much of the gap is the
 target's uncertainty), and, given ``--slice``, the slice drafter's first draft on the same positions.
 
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         seen = "-" if bucket["first_draft"] is None else f"{bucket['first_draft']:.1%}"
         print(f"  target top-1 in [{bucket['from']:.1f}, {bucket['to']:.1f}]: {bucket['share']:.1%} of positions, "
               f"first draft {seen}")
+    for link in report["chain"]:
+        rate = "-" if link["rate"] is None else f"{link['rate']:.1%}"
+        after = f" when drafts 1..{link['draft'] - 1} were" if link["draft"] > 1 else ""
+        print(f"  draft {link['draft']} kept{after}: {rate} of {link['reached']} rounds")
     for gamma, row in report["gamma"].items():
         print(f"  gamma {gamma}: {row['accepted_per_round']:.2f} drafts kept per round")
     if "slice_first_draft" in report:

@@ -17,7 +17,9 @@
     the target's tokens, and the next round starts after the target's bonus
     token. Drafting rounds at every start come from one
     :func:`~.feature_loss.unroll` (its chains are decoding's rounds), so the
-    figure is the speculative decoder's, without running it.
+    figure is the speculative decoder's, without running it. ``chain``
+    says where rounds stop (:func:`chain_conditionals`): how often draft j
+    equals the target's token once drafts 1..j-1 all did.
 
 Every measure is given for the full head and, when a draft vocabulary is
 passed, for the restricted head over it. The continuation set is cached on
@@ -142,6 +144,18 @@ def accepted_per_round(matches: torch.Tensor, gamma: int) -> list[int]:
     return out
 
 
+def chain_conditionals(matches: torch.Tensor) -> list[dict[str, Any]]:
+    """Per draft j of ``matches`` [starts, J] bool (a round drafting from every start): of the rounds whose drafts
+    1..j-1 all equal the target's tokens (``reached``), how many keep draft j too (``kept``) and their share
+    (``rate``, None when no round got that far). The product of the rates is the chance a round keeps all J; a
+    rate below the draft's own agreement means drafts fail together rather than apart."""
+    prefix = matches.long().cumprod(1)
+    reached = torch.cat((torch.full_like(prefix[:, :1], 1), prefix[:, :-1]), 1).sum(0)
+    kept = prefix.sum(0)
+    return [{"draft": j + 1, "reached": int(n), "kept": int(k), "rate": float(k) / int(n) if int(n) else None}
+            for j, (n, k) in enumerate(zip(reached, kept))]
+
+
 @torch.no_grad()
 def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tensor | None = None,
                         gammas: Sequence[int] = GAMMAS) -> dict[str, Any]:
@@ -154,6 +168,7 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         heads["_vocab"] = TokenHead(head, ids.to(device))
     first = {k: [] for k in heads}
     confidence = []  # the target's top-1 probability of each position first[""] scores
+    chains = []  # the full head's matches of every round start, for chain_conditionals
     rounds: dict[str, dict[int, list[int]]] = {k: {g: [] for g in gammas} for k in heads}
     length = data.prompt_len
     for row in range(data.tokens.shape[0]):
@@ -170,10 +185,13 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
             chain = torch.stack([tok.predict(steps[j])[0] == tokens[0, starts + j + 2] for j in range(top)], dim=1)
             for g in gammas:
                 rounds[name][g] += accepted_per_round(chain, g)
+            if not name:
+                chains.append(chain)
     report: dict[str, Any] = {"positions": int(sum(x.numel() for x in first[""])), "prompt_len": length,
                               "prompts": int(data.tokens.shape[0])}
     report["target_top1_mean"] = float(torch.cat(confidence).mean())
     report["by_target_confidence"] = by_confidence(torch.cat(first[""]), torch.cat(confidence))
+    report["chain"] = chain_conditionals(torch.cat(chains))
     for name in heads:
         report[f"first_draft{name}"] = float(torch.cat(first[name]).mean())
         report[f"gamma{name}"] = {g: {"accepted_per_round": sum(r) / len(r), "tokens_per_round": 1 + sum(r) / len(r),
