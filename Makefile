@@ -31,6 +31,8 @@ DRAFTER := data/drafters/feature
 DRAFTER_OUT := outputs/drafters/feature
 DRAFTER_RUN := outputs/feature-drafter/default
 DRAFTER_SELF := outputs/feature-drafter/selfdistill-128
+DRAFTER_SETS := outputs/feature-drafter/selfdistill-384
+DRAFTER_MORE := outputs/feature-drafter/selfdistill-384-more
 
 # `make TORCH=torch gpu-check GPU_CHECK="--context 65536"`: extra flags (`python -m sparsedraft gpu-check -h`).
 GPU_CHECK ?=
@@ -66,17 +68,24 @@ reproduce: install
 
 # The committed default feature drafter, remade from scratch as its record says it was made: the default recipe
 # (teacher data cached under data/cache, then 400 steps), the same run resumed under a 1200-step schedule, then a
-# warm start from that drafter on 128 of the target's own sampled continuations (self-distillation, 300 steps).
-# data/drafters/feature/feature_drafter.json holds the last run's `command` and, under `started_from`, the two
-# before it (when it ran, the 1200-step drafter was the committed folder, hence `--head-init data/drafters/feature`
-# there). The sampling batch of 64 peaks at ~10.5 GB. `make reproduce` copies the committed folder to where
-# benches and notebooks read it, so it never retrains.
+# warm start from that drafter on 128 of the target's own sampled continuations (self-distillation, 300 steps),
+# then two warm starts on 384 of them (600 steps each, the second at a lower learning rate).
+# data/drafters/feature/feature_drafter.json holds the last run's `command` and, nested under `started_from`, the
+# four before it (each run started from the folder its `--head-init` names when it ran). Runs 4-5 add two more
+# sampled sets of the target's continuations (384 in all). The sampling batch of 64 peaks at ~10.5 GB.
+# `make reproduce` copies the committed folder to where benches and notebooks read it, so it never retrains.
 drafter: install
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --steps 400 --out-dir $(DRAFTER_RUN)
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --steps 1200 --out-dir $(DRAFTER_RUN)
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_RUN)/drafter \
 		--sampled-sequences 128 --sample-batch 64 --steps 300 --lr 5e-4 --eval-every 100 \
 		--out-dir $(DRAFTER_SELF) --export $(DRAFTER)
+	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER) \
+		--sampled-sequences 128 --sampled-sets 3 --sample-batch 64 --steps 600 --lr 5e-4 --eval-every 100 \
+		--out-dir $(DRAFTER_SETS)
+	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_SETS)/drafter \
+		--sampled-sequences 128 --sampled-sets 3 --sample-batch 64 --steps 600 --lr 3e-4 --eval-every 100 \
+		--out-dir $(DRAFTER_MORE) --export $(DRAFTER)
 
 # JupyterLab on notebooks/ with the venv's sparsedraft kernel (the notebooks' kernelspec)
 lab: install

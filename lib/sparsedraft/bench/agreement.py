@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> None:
               f"first draft {seen}")
     for link in report["chain"]:
         rate = "-" if link["rate"] is None else f"{link['rate']:.1%}"
-        after = f" when drafts 1..{link['draft'] - 1} were" if link["draft"] > 1 else ""
-        print(f"  draft {link['draft']} kept{after}: {rate} of {link['reached']} rounds")
+        j = link["draft"]
+        after = "" if j == 1 else " when draft 1 was" if j == 2 else f" when drafts 1..{j - 1} were"
+        print(f"  draft {j} kept{after}: {rate} of {link['reached']} rounds")
     for gamma, row in report["gamma"].items():
         print(f"  gamma {gamma}: {row['accepted_per_round']:.2f} drafts kept per round")
     if "slice_first_draft" in report:
