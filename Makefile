@@ -71,8 +71,8 @@ reproduce: install
 # warm start from that drafter on 128 of the target's own sampled continuations (self-distillation, 300 steps),
 # then two warm starts on 384 of them (600 steps each, the second at a lower learning rate).
 # data/drafters/feature/feature_drafter.json holds the last run's `command` and, nested under `started_from`, the
-# four before it (each run started from the folder its `--head-init` names when it ran). Runs 4-5 add two more
-# sampled sets of the target's continuations (384 in all). The sampling batch of 64 peaks at ~10.5 GB.
+# four before it (run 4's names data/drafters/feature, which then held run 3's export, the same weights as
+# $(DRAFTER_SELF)/drafter). The sampling batch of 64 peaks at ~10.5 GB.
 # `make reproduce` copies the committed folder to where benches and notebooks read it, so it never retrains.
 drafter: install
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --steps 400 --out-dir $(DRAFTER_RUN)
@@ -80,7 +80,7 @@ drafter: install
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_RUN)/drafter \
 		--sampled-sequences 128 --sample-batch 64 --steps 300 --lr 5e-4 --eval-every 100 \
 		--out-dir $(DRAFTER_SELF) --export $(DRAFTER)
-	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER) \
+	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_SELF)/drafter \
 		--sampled-sequences 128 --sampled-sets 3 --sample-batch 64 --steps 600 --lr 5e-4 --eval-every 100 \
 		--out-dir $(DRAFTER_SETS)
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_SETS)/drafter \

@@ -125,13 +125,13 @@ def step_roofline(verifier: Transformer, drafter: Transformer | FeatureHead, row
     size = verifier.dtype.itemsize
     dtype = next(name for name, value in DTYPES.items() if value == verifier.dtype)
     first = rows[0]
+    layer = drafter.layer_config(drafter.cfg) if isinstance(drafter, FeatureHead) else drafter.cfg
     out = [step_row("decode", dtype, first.verifier_ms, step_cost(verifier.cfg, context, 1, size), read_bytes_per_s,
                     peak_gflops),
            step_row(f"verify-{first.verify_tokens}", dtype, first.verify_ratio * first.verifier_ms,
                     step_cost(verifier.cfg, context, first.verify_tokens, size), read_bytes_per_s, peak_gflops)]
     for row in rows:
-        cfg = (drafter.layer_config(drafter.cfg) if isinstance(drafter, FeatureHead) else drafter.cfg)
-        cost = step_cost(cfg.replace(vocab_size=row.draft_vocab), budget, 1, size)
+        cost = step_cost(layer.replace(vocab_size=row.draft_vocab), budget, 1, size)
         if isinstance(drafter, FeatureHead):  # fc: [feature width + hidden] -> hidden, one matvec a step
             fc = drafter.fc.weight.numel()
             cost = replace(cost, weight_bytes=cost.weight_bytes + fc * size, weight_flops=cost.weight_flops + 2 * fc)

@@ -7,23 +7,22 @@ shows an honest ETA from the first notebook on. A fresh clone has no
 ``outputs/``: there the committed timing record of the profile
 (``docs/results/reproduce-<profile>.json``, written by
 :func:`~sparsedraft.runner.results.record_timing` on the machine it names)
-gives the estimate. A notebook that never ran anywhere has no estimate; the plan line says how many are in that case
-instead of inventing a figure, and the bar counts them at the mean of the
-others. The bar's unit is those expected seconds, so tqdm's own rate gives
+gives the estimate. A notebook that never ran anywhere has no estimate; the
+plan line says how many are in that case instead of inventing a figure, and
+the bar counts them at the mean of the others. The bar's unit is those expected seconds, so tqdm's own rate gives
 the ETA: a machine running at half the recorded speed shows twice the time.
 """
 
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bench.record import RESULTS_DIR
 from ..progress import bar
 from .config import NotebookRun
-from ..bench.record import RESULTS_DIR
 from .execute import read_record
 from .results import TIMING_RECORD
 
