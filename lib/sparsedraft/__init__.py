@@ -37,7 +37,8 @@ draws them. Where everything is, one hop from here, bottom to top:
   baseline and any methods, one process), :data:`BENCHES` (the ``ar`` bench
   also times transformers), ``bench.gpu`` (``gpu-check``), ``bench.draft_cost``
   (a draft step's cost against the verifier's), ``bench.record`` (results
-  records), ``bench.kernel_timing`` (the C++ kernel against SDPA);
+  records), ``bench.kernel_timing`` (the C++ kernel against SDPA),
+  ``bench.prefill_profile`` (a prefill's operators, ours and transformers');
 - ``sparsedraft.runner``: the notebooks (``python -m sparsedraft run``), and
   ``sparsedraft.report``: what a notebook saves and states.
 """
