@@ -179,7 +179,12 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
       __m512 vacc[NB][M];
       for (int j = 0; j < NB; ++j)
         for (int m = 0; m < M; ++m) vacc[j][m] = _mm512_setzero_ps();
+      // The hardware prefetcher cannot lock onto rows this short (an int8 row of 576 codes is 9 cache
+      // lines), so while these NB rows stream, ask for the next group's, the same bytes per step.
+      const char* next = reinterpret_cast<const char*>(wn + NB * k_len);
       for (int64_t k = 0; k < full; k += kLanes) {
+        for (int64_t b = k * NB * int64_t{sizeof(W)}; b < (k + kLanes) * NB * int64_t{sizeof(W)}; b += 64)
+          __builtin_prefetch(next + b, 0, 3);
         __m512 wv[NB];
         for (int j = 0; j < NB; ++j) wv[j] = load16(wn + j * k_len + k);
         for (int m = 0; m < M; ++m) {
