@@ -56,6 +56,8 @@ def test_the_view_reads_its_budget_from_the_store_and_its_new_tokens_exactly(dra
     for view in (plain, quant):
         view.begin(positions)
     (pk, pv, _), (qk, qv, _) = plain.attend(0, new_k, new_v), quant.attend(0, new_k, new_v)
+    if draft_kv == "int8":  # codes for the attention kernel; their dense form is what any other path reads
+        qk, qv = qk.dense(), qv.dense()
     assert torch.equal(qk[:, :, 16:], pk[:, :, 16:]) and torch.equal(qv[:, :, 16:], pv[:, :, 16:])
     step = 1 / 127 if draft_kv == "int8" else 1 / 7
     assert 0 < (qk[:, :, :16] - pk[:, :, :16]).abs().max() <= pk[:, :, :16].abs().max() * step

@@ -10,19 +10,24 @@ view (build, sync); the verifier keeps its full-precision cache, so greedy
 output is still the target's token for token.
 
 :class:`QuantizedRetrievalCache` is a :class:`~.retrieval.RetrievalCache`
-whose budget region is read from the quantised store: each step dequantises
-it into one workspace shared by every layer (a layer's attention consumes it
-before the next layer asks), so what streams from memory per step is the
-quantised bytes. The dequantisation is torch arithmetic, not yet a fused
-attention kernel, so whether it is faster than fp32 is the bench's to say
-(``--draft-kv``); the speculative region (level-2 tokens since the last sync)
-stays in the view's own precision.
+whose budget region is read from the quantised store; the speculative region
+(level-2 tokens since the last sync) stays in the view's own precision. An
+int8 view hands the attention its codes and scales
+(:class:`~sparsedraft.engine.cache.Int8Slots`), and a decode or verification
+step on CPU reads them in the C++ kernel (``kernels.attend_int8``: each chunk
+dequantised in cache), so what streams from memory is the codes. int4 views,
+and the paths without that kernel, dequantise the budget region into one
+workspace shared by every layer (a layer's attention consumes it before the
+next layer asks) and attend to that.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
+from ..engine.cache import Causal, Int8Slots
 from ..engine.config import ModelConfig
 from ..errors import require
 from .retrieval import RetrievalCache
@@ -106,12 +111,21 @@ class QuantizedRetrievalCache(RetrievalCache):
         self.qk[layer].write(slots, self.k[layer][:, :, slots])
         self.qv[layer].write(slots, self.v[layer][:, :, slots])
 
-    def attend(self, layer: int, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[Int8Slots | torch.Tensor,
+                                                                             Int8Slots | torch.Tensor,
+                                                                             torch.Tensor | Causal | None]:
         _, _, mask = super().attend(layer, k, v)  # writes the new tokens into the speculative region
         stop = self.budget + self.spec + self._new
-        for store, own, work in ((self.qk[layer], self.k[layer], self.work_k),
-                                 (self.qv[layer], self.v[layer], self.work_v)):
-            store.read_into(work[:, :, :self.budget])
-            work[:, :, self.budget:stop] = own[:, :, self.budget:stop]
-        return self.work_k[:, :, :stop], self.work_v[:, :, :stop], mask
+        pairs = ((self.qk[layer], self.k[layer], self.work_k), (self.qv[layer], self.v[layer], self.work_v))
+        if self.draft_kv == "int8":  # the attention reads the codes where its kernel can (model.attention)
+            keys, values = (Int8Slots(store.q, store.scale[..., 0, 0], own[:, :, self.budget:stop],
+                                      partial(self._dense, store, own, work, stop)) for store, own, work in pairs)
+            return keys, values, mask
+        keys, values = (self._dense(store, own, work, stop) for store, own, work in pairs)
+        return keys, values, mask
+
+    def _dense(self, store: QuantizedKV, own: torch.Tensor, work: torch.Tensor, stop: int) -> torch.Tensor:
+        """The budget region dequantised and the speculative region as it is, in the workspace every layer shares."""
+        store.read_into(work[:, :, :self.budget])
+        work[:, :, self.budget:stop] = own[:, :, self.budget:stop]
+        return work[:, :, :stop]

@@ -12,6 +12,8 @@ Every cache follows one protocol, driven by :meth:`Transformer.forward`:
    new tokens are the last T keys and each sees every key before it: plain
    decoding, verification and prefill chunks over a full cache, which lets
    the model use causal kernels that read no mask) or bool ``[B, 1, T, S]``.
+   A quantised draft view may hand :class:`Int8Slots` instead of the two
+   tensors, so the attention reads its int8 codes where a kernel can.
 3. ``end()`` commits the T tokens.
 
 ``rollback(n)`` forgets the last n committed tokens (rejected drafts) and
@@ -20,7 +22,7 @@ Every cache follows one protocol, driven by :meth:`Transformer.forward`:
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
@@ -37,6 +39,18 @@ class Causal:
 
 
 CAUSAL = Causal()
+
+
+class Int8Slots(NamedTuple):
+    """Keys or values as a quantised draft view stores them: int8 ``codes`` [B, KV, N, D] times a ``scale`` per
+    token [B, KV, N], then a full-precision ``tail`` [B, KV, S - N, D] (the step's new tokens and those since
+    the view last took in the target's). ``dense()`` gives all S as one [B, KV, S, D] tensor of the model's dtype,
+    for the paths without the fused kernel (``kernels.attend_int8``)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    tail: torch.Tensor
+    dense: Callable[[], torch.Tensor]
 
 
 def causal_tail(t: int, s: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import require
 from . import kernels
-from .cache import CAUSAL, Causal, KVCache, RowCaches, SequenceView, StaticCache, causal_tail
+from .cache import CAUSAL, Causal, Int8Slots, KVCache, RowCaches, SequenceView, StaticCache, causal_tail
 from .config import ModelConfig
 from .quant import Int8Linear
 from .rope import Rotary
@@ -91,8 +91,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     the compiled kernel, which reads each key once for every query of its group
     and gives each query the same bits whatever the step's length (what keeps
     speculative greedy output equal to plain greedy output in bf16); SDPA
-    otherwise (causal prefill chunks without a mask tensor, see :func:`_sdpa`).
+    otherwise (causal prefill chunks without a mask tensor, see :func:`_sdpa`). Keys and values given as
+    :class:`~sparsedraft.engine.cache.Int8Slots` (a quantised draft view) take the kernel's int8 form on
+    such a step, and are made dense for every other path.
     """
+    if isinstance(k, Int8Slots):
+        t = q.shape[2]
+        if mask is CAUSAL and not need_weights and _kernel_fits(q, t):
+            b, h, _, d = q.shape
+            kv = k.codes.shape[1]
+            out = kernels.attend_int8(q.reshape(b, kv, (h // kv) * t, d), k.codes, k.scale, v.codes, v.scale,
+                                      k.tail, v.tail, scale, t)
+            return out.reshape(b, h, t, d), None
+        k, v = k.dense(), v.dense()
     b, h, t, d = q.shape
     kv = k.shape[1]
     if need_weights:

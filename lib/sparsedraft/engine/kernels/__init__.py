@@ -268,6 +268,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: i
     return _module.attend(q, k, v, float(scale), int(t), int(key_rows))
 
 
+def attend_int8(q: torch.Tensor, codes_k: torch.Tensor, scale_k: torch.Tensor, codes_v: torch.Tensor,
+                scale_v: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor, scale: float, t: int,
+                key_rows: int = KEY_ROWS) -> torch.Tensor:
+    """:func:`attend` over keys and values held as int8 codes [B, KV, N, D] times a scale per key
+    [B, KV, N] (a quantised draft view's stored tokens), followed by a full-precision tail [B, KV, S - N, D]
+    (its new tokens): what streams from memory is the codes, dequantised a chunk at a time in cache. q and
+    the tails may be float32 or bfloat16 (computed in float32); returns q's dtype. Rows' bits are
+    independent of T, as in :func:`attend`. Call :func:`available` first."""
+    require(codes_k.dtype == codes_v.dtype == torch.int8 and codes_k.shape == codes_v.shape,
+            lambda: f"attend_int8 takes int8 codes of one shape, got {codes_k.dtype} {tuple(codes_k.shape)} and "
+                    f"{codes_v.dtype} {tuple(codes_v.shape)}")
+    require(q.dtype in DTYPES and tail_k.dtype == tail_v.dtype == q.dtype,
+            lambda: f"attend_int8 takes q and tails of one float dtype, got {q.dtype}, {tail_k.dtype}, {tail_v.dtype}")
+    if not available():
+        reason = _failure if enabled() else "SPARSEDRAFT_KERNELS=0"
+        raise RuntimeError(f"the C++ attention kernel is unavailable ({reason}); check kernels.available() first")
+    out = _module.attend_int8(q.float().contiguous(), codes_k, scale_k.float(), codes_v, scale_v.float(),
+                              tail_k.float(), tail_v.float(), float(scale), int(t), int(key_rows))
+    return out.to(q.dtype)
+
+
 def is_tail_causal(mask: torch.Tensor, t: int) -> bool:
     """Whether bool ``mask`` [B, 1, T, S] lets new token t see exactly keys 0 .. S-T+t (what StaticCache
     builds without a sliding window). The last answer is remembered for the same mask object, since

@@ -7,6 +7,9 @@
 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T,
                   int64_t key_rows);
+at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& vc,
+                       const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale, int64_t T,
+                       int64_t key_rows);
 int64_t attend_chunk();
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired);
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -45,6 +48,7 @@ int64_t tiles() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "GQA decode/verification attention over a KV cache (see decode_attention.cpp)");
+  m.def("attend_int8", &attend_int8, "the same over int8 codes (a scale per key) plus a float tail");
   m.attr("chunk") = attend_chunk();
   m.def("allow_tiles", [](bool allow) { tiles_allowed.store(allow); },
         "let bf16 attention and linear use AMX tiles where built (default) or not");

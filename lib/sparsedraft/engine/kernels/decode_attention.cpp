@@ -283,10 +283,14 @@ void weigh(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, in
 
 // Keys as lanes, for steps with few query rows per KV head: a decode's g rows would fill g of the row
 // path's 16 lanes, so most of its score and softmax arithmetic would be padding. The chunk's keys are
-// transposed to kt [D][kChunk]; row r's score of key j is the same madd chain over d in order from 0
+// transposed to kt [D][kKeyStride]; row r's score of key j is the same madd chain over d in order from 0
 // as in the row path, its softmax the same max, exponentials and in-order sum, so every (key, row)
 // gets the same bits on either path.
 constexpr int64_t kKeyBlock = 64;  // keys scored side by side for one row
+// Floats between kt's rows: a chunk plus one cache line. At exactly kChunk (1 KiB) the eight rows an 8x8
+// block writes map to the same few L1 sets and evict each other; transposing then took half the decode
+// attention's time (perf, one thread, 4K keys). The layout changes no arithmetic.
+constexpr int64_t kKeyStride = kChunk + 16;
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) {
@@ -303,14 +307,14 @@ inline __m128 load4(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift:
 }
 
 // Four columns of eight keys: a[i] holds key i's four values in its low half and key i + 4's in its
-// high half; an in-lane 4x4 transpose then writes column c of all eight keys to kt + c * kChunk.
+// high half; an in-lane 4x4 transpose then writes column c of all eight keys to kt + c * kKeyStride.
 inline void transpose_halves(const __m256 a[4], float* kt) {
   const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
   const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
   _mm256_storeu_ps(kt, _mm256_shuffle_ps(t0, t2, 0x44));
-  _mm256_storeu_ps(kt + kChunk, _mm256_shuffle_ps(t0, t2, 0xEE));
-  _mm256_storeu_ps(kt + 2 * kChunk, _mm256_shuffle_ps(t1, t3, 0x44));
-  _mm256_storeu_ps(kt + 3 * kChunk, _mm256_shuffle_ps(t1, t3, 0xEE));
+  _mm256_storeu_ps(kt + kKeyStride, _mm256_shuffle_ps(t0, t2, 0xEE));
+  _mm256_storeu_ps(kt + 2 * kKeyStride, _mm256_shuffle_ps(t1, t3, 0x44));
+  _mm256_storeu_ps(kt + 3 * kKeyStride, _mm256_shuffle_ps(t1, t3, 0xEE));
 }
 
 // kt[d0 + i][j0 .. j0 + 7] = k[j0 .. j0 + 7][d0 + i] for i < 8: one 8x8 block, moved exactly. The loads
@@ -326,7 +330,7 @@ inline void transpose8(const scalar_t* k, int64_t D, float* kt) {
     hi[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(load4(a + 4)), load4(b + 4), 1);
   }
   transpose_halves(lo, kt);
-  transpose_halves(hi, kt + 4 * kChunk);
+  transpose_halves(hi, kt + 4 * kKeyStride);
 }
 #endif
 
@@ -351,12 +355,12 @@ void transpose_keys(const scalar_t* k, int64_t len, int64_t D, float* kt, const 
   j8 = len / 8 * 8, d8 = D / 8 * 8;
   for (int64_t j = 0; j < j8; j += 8) {
     prefetch_upto(j, j + 8);
-    for (int64_t d = 0; d < d8; d += 8) transpose8(k + j * D + d, D, kt + d * kChunk + j);
+    for (int64_t d = 0; d < d8; d += 8) transpose8(k + j * D + d, D, kt + d * kKeyStride + j);
   }
 #endif
   prefetch_upto(j8, len);
   for (int64_t d = 0; d < D; ++d) {
-    float* row = kt + d * kChunk;
+    float* row = kt + d * kKeyStride;
     for (int64_t j = d < d8 ? j8 : 0; j < len; ++j) row[j] = to_float(k[j * D + d]);
   }
 }
@@ -368,7 +372,7 @@ void score_by_keys(const float* qt, int64_t rp, const float* kt, float* s, int64
       float acc[kKeyBlock] = {};
       for (int64_t d = 0; d < D; ++d) {
         const float qd = qt[d * rp + r];
-        const float* kd = kt + d * kChunk + j0;
+        const float* kd = kt + d * kKeyStride + j0;
 #pragma omp simd
         for (int64_t l = 0; l < kKeyBlock; ++l) acc[l] = madd(kd[l], qd, acc[l]);
       }
@@ -381,6 +385,7 @@ void score_by_keys(const float* qt, int64_t rp, const float* kt, float* s, int64
 struct Scratch {  // per thread, reused across calls
   std::vector<float> scores, keys, values, row, keys_t;
   std::vector<uint16_t> tiles;  // the tile path's key tail, weights and paired values
+  std::vector<float> dequantized;  // the int8 path's keys and values of one chunk
   std::vector<int64_t> seen;
 };
 
@@ -430,7 +435,7 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
                           float* m, float* l) {
   const int64_t D = sh.D, rp = sh.rp, R = sh.R;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  if (static_cast<int64_t>(scratch.keys_t.size()) < D * kChunk) scratch.keys_t.assign(D * kChunk, 0.0f);
+  if (static_cast<int64_t>(scratch.keys_t.size()) < D * kKeyStride) scratch.keys_t.assign(D * kKeyStride, 0.0f);
   if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
   float* s = scratch.scores.data();  // [R][kChunk]
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
@@ -742,48 +747,31 @@ bool takes_tiles(int64_t D) {
 #endif
 }
 
+// The queries of every head as the vector paths read them: qt [heads][D][rp], scaled by qscale, rows past R zero.
 template <typename scalar_t>
-void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-         at::Tensor& out) {
-  const int64_t D = sh.D, R = sh.R, rp = sh.rp, heads = sh.B * sh.KV, n = sh.chunks;
-  const float qscale = static_cast<float>(scale) * kLog2e;  // scores in log2 units: exp2 in the softmax
-
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const bool tiles = std::is_same_v<scalar_t, at::BFloat16> && takes_tiles(D);
-  std::vector<float> qt(tiles ? 0 : heads * D * rp, 0.0f);  // per head [D][rp]
-  std::vector<uint16_t> qv(tiles ? heads * D * rp : 0);     // per head, as pack_operand lays it out
-  for (int64_t h = 0; h < heads; ++h) {
-#if SPARSEDRAFT_TILES
-    if (tiles) {
-      pack_operand(reinterpret_cast<const uint16_t*>(qp) + h * R * D, R, rp, D, qv.data() + h * D * rp);
-      continue;
-    }
-#endif
+std::vector<float> fold_queries(const scalar_t* qp, int64_t heads, int64_t R, int64_t D, int64_t rp, float qscale) {
+  std::vector<float> qt(heads * D * rp, 0.0f);
+  for (int64_t h = 0; h < heads; ++h)
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t d = 0; d < D; ++d)
-        qt[(h * D + d) * rp + r] = static_cast<float>(qp[(h * R + r) * D + d]) * qscale;
-  }
+      for (int64_t d = 0; d < D; ++d) qt[(h * D + d) * rp + r] = static_cast<float>(qp[(h * R + r) * D + d]) * qscale;
+  return qt;
+}
 
+// What every variant shares: items (head, chunk) in contiguous runs per thread, one parallel region, each
+// item's partial result (o, m, l) kept, and whichever thread finishes a head's last chunk merges that head
+// in chunk order (so who merges does not matter). chunk(item, end, scratch, o, m, l) computes one item;
+// `end` is the end of the calling thread's run, so it can prefetch the next item's keys.
+template <typename out_t, typename Chunk>
+void drive(const Shape& sh, bool tiles, out_t* op, const Chunk& chunk) {
+  const int64_t D = sh.D, R = sh.R, heads = sh.B * sh.KV, n = sh.chunks;
   thread_local std::vector<float> partial;  // per calling thread: no page faults on every call
   if (static_cast<int64_t>(partial.size()) < heads * n * R * (D + 2)) partial.resize(heads * n * R * (D + 2));
   float* part_o = partial.data();  // [heads][n][R][D]
   float* part_m = part_o + heads * n * R * D;  // [heads][n][R]
   float* part_l = part_m + heads * n * R;
-  const scalar_t* kp = k.data_ptr<scalar_t>();
-  const scalar_t* vp = v.data_ptr<scalar_t>();
-  const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
-
-  // One parallel region: each thread takes a contiguous run of items and prefetches the next one's
-  // keys; whichever thread finishes a head's last chunk merges that head (in chunk order, so who
-  // merges does not matter).
   std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[heads]);
   for (int64_t h = 0; h < heads; ++h) finished[h].store(0, std::memory_order_relaxed);
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const auto keys_of = [&](int64_t item) {
-    const int64_t h = item / n;
-    return kp + h / sh.KV * kb + h % sh.KV * kh + item % n * kChunk * D;
-  };
-  const auto length_of = [&](int64_t item) { return std::min(kChunk, sh.S - item % n * kChunk); };
+  (void)tiles;
 
   at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
@@ -793,29 +781,111 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
 #endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / n, c = item % n;
-      const scalar_t* vc = vp + h / sh.KV * vb + h % sh.KV * vh + c * kChunk * D;
-      const bool more = item + 1 < end;
       float* ho = part_o + h * n * R * D;
       float* hm = part_m + h * n * R;
       float* hl = part_l + h * n * R;
-      const scalar_t* next = more ? keys_of(item + 1) : nullptr;
-      const int64_t next_len = more ? length_of(item + 1) : 0;
-#if SPARSEDRAFT_TILES
-      if (tiles) {
-        const auto bits = [](const scalar_t* x) { return reinterpret_cast<const uint16_t*>(x); };
-        attend_chunk_tiles(sh, qv.data() + h * D * rp, qscale, bits(keys_of(item)), bits(vc), c * kChunk,
-                           length_of(item), bits(next), next_len, scratch, ho + c * R * D, hm + c * R, hl + c * R);
-      } else
-#endif
-        attend_chunk<scalar_t>(sh, qt.data() + h * D * rp, keys_of(item), vc, c * kChunk, length_of(item), next,
-                               next_len, scratch, ho + c * R * D, hm + c * R, hl + c * R);
+      chunk(item, end, scratch, ho + c * R * D, hm + c * R, hl + c * R);
       if (finished[h].fetch_add(1, std::memory_order_acq_rel) + 1 == n)
-        for (int64_t r = 0; r < R; ++r)
-          merge_row<scalar_t>(sh, ho, hm, hl, r, scratch.row.data(), op + (h * R + r) * D);
+        for (int64_t r = 0; r < R; ++r) merge_row<out_t>(sh, ho, hm, hl, r, scratch.row.data(), op + (h * R + r) * D);
     }
 #if SPARSEDRAFT_TILES
     if (tiles) _tile_release();
 #endif
+  });
+}
+
+template <typename scalar_t>
+void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+         at::Tensor& out) {
+  const int64_t D = sh.D, R = sh.R, rp = sh.rp, heads = sh.B * sh.KV, n = sh.chunks;
+  const float qscale = static_cast<float>(scale) * kLog2e;  // scores in log2 units: exp2 in the softmax
+
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const bool tiles = std::is_same_v<scalar_t, at::BFloat16> && takes_tiles(D);
+  const std::vector<float> qt = tiles ? std::vector<float>() : fold_queries(qp, heads, R, D, rp, qscale);
+  std::vector<uint16_t> qv(tiles ? heads * D * rp : 0);  // per head, as pack_operand lays it out
+#if SPARSEDRAFT_TILES
+  for (int64_t h = 0; tiles && h < heads; ++h)
+    pack_operand(reinterpret_cast<const uint16_t*>(qp) + h * R * D, R, rp, D, qv.data() + h * D * rp);
+#endif
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
+  const auto keys_of = [&](int64_t item) {
+    const int64_t h = item / n;
+    return kp + h / sh.KV * kb + h % sh.KV * kh + item % n * kChunk * D;
+  };
+  const auto length_of = [&](int64_t item) { return std::min(kChunk, sh.S - item % n * kChunk); };
+
+  drive(sh, tiles, out.data_ptr<scalar_t>(), [&](int64_t item, int64_t end, Scratch& scratch, float* o, float* m,
+                                                 float* l) {
+    const int64_t h = item / n, c = item % n;
+    const scalar_t* vc = vp + h / sh.KV * vb + h % sh.KV * vh + c * kChunk * D;
+    const bool more = item + 1 < end;
+    const scalar_t* next = more ? keys_of(item + 1) : nullptr;
+    const int64_t next_len = more ? length_of(item + 1) : 0;
+#if SPARSEDRAFT_TILES
+    if (tiles) {
+      const auto bits = [](const scalar_t* x) { return reinterpret_cast<const uint16_t*>(x); };
+      attend_chunk_tiles(sh, qv.data() + h * D * rp, qscale, bits(keys_of(item)), bits(vc), c * kChunk,
+                         length_of(item), bits(next), next_len, scratch, o, m, l);
+      return;
+    }
+#endif
+    attend_chunk<scalar_t>(sh, qt.data() + h * D * rp, keys_of(item), vc, c * kChunk, length_of(item), next,
+                           next_len, scratch, o, m, l);
+  });
+}
+
+// Keys [c0, c0 + len) of one head as float rows: below n_codes, int8 codes times their token's scale; from
+// n_codes on, the full-precision tail as it is. Each key's floats depend on that key alone, so a row's bits
+// stay independent of the step's length, as on the other paths.
+void dequantize_keys(const int8_t* codes, int64_t code_stride, const float* scales, const float* tail,
+                     int64_t n_codes, int64_t c0, int64_t len, int64_t D, float* out) {
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t key = c0 + j;
+    float* row = out + j * D;
+    if (key < n_codes) {
+      const int8_t* cj = codes + key * code_stride;
+      const float sj = scales[key];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(cj[d]) * sj;
+    } else {
+      std::memcpy(row, tail + (key - n_codes) * D, D * sizeof(float));
+    }
+  }
+}
+
+// attend over int8 codes plus a float tail (a quantised draft view): each chunk's keys and values are
+// dequantised into this thread's scratch (in cache) and take the float path, so what streams from memory
+// is the codes, a quarter of fp32's bytes.
+void run_int8(const Shape& sh, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& ks,
+              const at::Tensor& vc, const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale,
+              at::Tensor& out) {
+  const int64_t D = sh.D, R = sh.R, rp = sh.rp, heads = sh.B * sh.KV, n = sh.chunks, N = kc.size(2);
+  const float qscale = static_cast<float>(scale) * kLog2e;
+  const std::vector<float> qt = fold_queries(q.data_ptr<float>(), heads, R, D, rp, qscale);
+  const auto head_of = [&](const at::Tensor& x, int64_t h) { return h / sh.KV * x.stride(0) + h % sh.KV * x.stride(1); };
+  drive(sh, false, out.data_ptr<float>(), [&](int64_t item, int64_t end, Scratch& scratch, float* o, float* m,
+                                               float* l) {
+    const int64_t h = item / n, c0 = item % n * kChunk, len = std::min(kChunk, sh.S - c0);
+    if (item + 1 < end) {  // the next item's codes come in while this one is computed
+      const int64_t h1 = (item + 1) / n, n0 = (item + 1) % n * kChunk, n1 = std::min(n0 + kChunk, N);
+      if (n0 < n1) {
+        const char* base = reinterpret_cast<const char*>(kc.data_ptr<int8_t>() + head_of(kc, h1));
+        prefetch_span(base, n0 * D, n1 * D);
+        base = reinterpret_cast<const char*>(vc.data_ptr<int8_t>() + head_of(vc, h1));
+        prefetch_span(base, n0 * D, n1 * D);
+      }
+    }
+    if (static_cast<int64_t>(scratch.dequantized.size()) < 2 * kChunk * D) scratch.dequantized.resize(2 * kChunk * D);
+    float* keys = scratch.dequantized.data();
+    float* values = keys + kChunk * D;
+    dequantize_keys(kc.data_ptr<int8_t>() + head_of(kc, h), D, ks.data_ptr<float>() + head_of(ks, h),
+                    kt.data_ptr<float>() + head_of(kt, h), N, c0, len, D, keys);
+    dequantize_keys(vc.data_ptr<int8_t>() + head_of(vc, h), D, vs.data_ptr<float>() + head_of(vs, h),
+                    vt.data_ptr<float>() + head_of(vt, h), N, c0, len, D, values);
+    attend_chunk<float>(sh, qt.data() + h * D * rp, keys, values, c0, len, nullptr, 0, scratch, o, m, l);
   });
 }
 
@@ -850,3 +920,31 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor&
 }
 
 int64_t attend_chunk() { return kChunk; }
+
+at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& vc,
+                       const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale, int64_t T,
+                       int64_t key_rows) {
+  TORCH_CHECK(q.dim() == 4 && kc.dim() == 4 && vc.dim() == 4 && kt.dim() == 4 && vt.dim() == 4 && ks.dim() == 3 &&
+                  vs.dim() == 3, "attend_int8: q, codes and tails are [B, KV, *, D], scales [B, KV, N]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kt.scalar_type() == at::kFloat && vt.scalar_type() == at::kFloat &&
+                  ks.scalar_type() == at::kFloat && vs.scalar_type() == at::kFloat,
+              "attend_int8: q, scales and tails must be float32");
+  TORCH_CHECK(kc.scalar_type() == at::kChar && vc.scalar_type() == at::kChar, "attend_int8: codes must be int8");
+  TORCH_CHECK(q.is_contiguous(), "attend_int8: q must be contiguous");
+  const int64_t B = q.size(0), KV = q.size(1), R = q.size(2), D = q.size(3), N = kc.size(2), S = N + kt.size(2);
+  for (const at::Tensor* x : {&kc, &vc, &kt, &vt})
+    TORCH_CHECK(x->size(0) == B && x->size(1) == KV && x->size(3) == D && x->stride(3) == 1 && x->stride(2) == D,
+                "attend_int8: codes and tails must be [B, KV, *, D] with rows of D contiguous values, got ",
+                x->sizes());
+  TORCH_CHECK(vc.size(2) == N && vt.size(2) == kt.size(2), "attend_int8: keys and values differ in length");
+  for (const at::Tensor* x : {&ks, &vs})
+    TORCH_CHECK(x->size(0) == B && x->size(1) == KV && x->size(2) == N && x->stride(2) == 1,
+                "attend_int8: scales must be [B, KV, N] with N contiguous");
+  TORCH_CHECK(T >= 1 && R % T == 0 && S >= T, "attend_int8: rows (", R, ") must be a multiple of T (", T,
+              ") and S (", S, ") >= T");
+  at::Tensor out = at::empty({B, KV, R, D}, q.options());
+  if (B == 0 || KV == 0 || R == 0 || D == 0) return out;
+  const Shape sh{B, KV, R, T, S, D, key_rows, (R + kLanes - 1) / kLanes * kLanes, (S + kChunk - 1) / kChunk};
+  run_int8(sh, q, kc, ks, vc, vs, kt, vt, scale, out);
+  return out;
+}
