@@ -299,6 +299,11 @@ inline float to_float(at::BFloat16 x) {
   return bf16_to_float(h);
 }
 
+// Prefetch the part [from, to) of a byte range (64-byte lines) into L2.
+inline void prefetch_span(const char* base, int64_t from, int64_t to) {
+  for (int64_t b = from / 64 * 64; b < to; b += 64) __builtin_prefetch(base + b, 0, 2);
+}
+
 #if defined(__AVX2__)
 inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
 inline __m128 load4(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift: exact
@@ -307,21 +312,19 @@ inline __m128 load4(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift:
 }
 
 // Four columns of eight keys: a[i] holds key i's four values in its low half and key i + 4's in its
-// high half; an in-lane 4x4 transpose then writes column c of all eight keys to kt + c * kKeyStride.
-inline void transpose_halves(const __m256 a[4], float* kt) {
+// high half; an in-lane 4x4 transpose then gives column c of all eight keys in col[c].
+inline void transpose_halves(const __m256 a[4], __m256 col[4]) {
   const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
   const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
-  _mm256_storeu_ps(kt, _mm256_shuffle_ps(t0, t2, 0x44));
-  _mm256_storeu_ps(kt + kKeyStride, _mm256_shuffle_ps(t0, t2, 0xEE));
-  _mm256_storeu_ps(kt + 2 * kKeyStride, _mm256_shuffle_ps(t1, t3, 0x44));
-  _mm256_storeu_ps(kt + 3 * kKeyStride, _mm256_shuffle_ps(t1, t3, 0xEE));
+  col[0] = _mm256_shuffle_ps(t0, t2, 0x44), col[1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+  col[2] = _mm256_shuffle_ps(t1, t3, 0x44), col[3] = _mm256_shuffle_ps(t1, t3, 0xEE);
 }
 
-// kt[d0 + i][j0 .. j0 + 7] = k[j0 .. j0 + 7][d0 + i] for i < 8: one 8x8 block, moved exactly. The loads
-// pair key i with key i + 4 across the two 128-bit halves, so no cross-half shuffle is needed (those
-// cost several cycles each on CPUs that split 256-bit operations, like the first Zen cores).
+// col[i] = k[0 .. 7][i] for i < 8: one 8x8 block of keys (rows D apart), moved exactly. The loads pair
+// key i with key i + 4 across the two 128-bit halves, so no cross-half shuffle is needed (those cost
+// several cycles each on CPUs that split 256-bit operations, like the first Zen cores).
 template <typename scalar_t>
-inline void transpose8(const scalar_t* k, int64_t D, float* kt) {
+inline void transpose8(const scalar_t* k, int64_t D, __m256 col[8]) {
   __m256 lo[4], hi[4];
   for (int i = 0; i < 4; ++i) {
     const scalar_t* a = k + i * D;
@@ -329,15 +332,68 @@ inline void transpose8(const scalar_t* k, int64_t D, float* kt) {
     lo[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(load4(a)), load4(b), 1);
     hi[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(load4(a + 4)), load4(b + 4), 1);
   }
-  transpose_halves(lo, kt);
-  transpose_halves(hi, kt + 4 * kKeyStride);
+  transpose_halves(lo, col);
+  transpose_halves(hi, col + 4);
 }
-#endif
 
-// Prefetch the part [from, to) of a byte range (64-byte lines) into L2.
-inline void prefetch_span(const char* base, int64_t from, int64_t to) {
-  for (int64_t b = from / 64 * 64; b < to; b += 64) __builtin_prefetch(base + b, 0, 2);
+// kt[d0 + i][0 .. 7] = k[0 .. 7][d0 + i]: transpose8 stored at kt's row stride.
+template <typename scalar_t>
+inline void transpose8_into(const scalar_t* k, int64_t D, float* kt) {
+  __m256 col[8];
+  transpose8(k, D, col);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + i * kKeyStride, col[i]);
 }
+
+#if defined(__FMA__)
+// score_by_keys for R <= kFusedRows rows without the transposed copy: each 8x8 block of keys is
+// transposed in registers and multiplied straight into the rows' accumulators (eight keys per vector),
+// d in order from 0, so every (key, row) gets score_by_keys's chain and bits. Keys past the last whole
+// block of eight take the same chain one at a time. Storing kt and reading it back was the larger part
+// of a decode's attention. Prefetches as transpose_keys does.
+constexpr int64_t kFusedRows = 6;
+
+template <int R, typename scalar_t>
+void score_keys_fused(const float* qt, int64_t rp, const scalar_t* k, int64_t len, int64_t D, float* s,
+                      const char* values, int64_t value_bytes, const char* next_keys, int64_t next_bytes) {
+  const int64_t j8 = len / 8 * 8;
+  for (int64_t j0 = 0; j0 < j8; j0 += 8) {
+    prefetch_span(values, j0 * value_bytes / len, (j0 + 8) * value_bytes / len);
+    if (next_keys != nullptr) prefetch_span(next_keys, j0 * next_bytes / len, (j0 + 8) * next_bytes / len);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      __m256 col[8];
+      transpose8(k + j0 * D + d0, D, col);
+      for (int i = 0; i < 8; ++i)
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(col[i], _mm256_set1_ps(qt[(d0 + i) * rp + r]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * kChunk + j0, acc[r]);
+  }
+  prefetch_span(values, j8 * value_bytes / len, value_bytes);
+  if (next_keys != nullptr) prefetch_span(next_keys, j8 * next_bytes / len, next_bytes);
+  for (int64_t j = j8; j < len; ++j)
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.0f;
+      for (int64_t d = 0; d < D; ++d) acc = madd(to_float(k[j * D + d]), qt[d * rp + r], acc);
+      s[r * kChunk + j] = acc;
+    }
+}
+
+// The fused scoring for R rows, if there is one for this build, R and D; false: take transpose + score.
+template <typename scalar_t>
+bool score_fused(const float* qt, int64_t rp, const scalar_t* k, int64_t len, int64_t D, int64_t R, float* s,
+                 const char* values, int64_t value_bytes, const char* next_keys, int64_t next_bytes) {
+  if (D % 8 != 0 || R > kFusedRows) return false;
+  using Fn = void (*)(const float*, int64_t, const scalar_t*, int64_t, int64_t, float*, const char*, int64_t,
+                      const char*, int64_t);
+  static constexpr Fn kByRows[kFusedRows] = {score_keys_fused<1, scalar_t>, score_keys_fused<2, scalar_t>,
+                                             score_keys_fused<3, scalar_t>, score_keys_fused<4, scalar_t>,
+                                             score_keys_fused<5, scalar_t>, score_keys_fused<6, scalar_t>};
+  kByRows[R - 1](qt, rp, k, len, D, s, values, value_bytes, next_keys, next_bytes);
+  return true;
+}
+#endif  // __FMA__
+#endif
 
 // kt[d][j] = k[j][d] for j < len (8x8 blocks where AVX2 is built in, element by element elsewhere and
 // for the edges). Along the way, in step with the keys moved, this chunk's values (used once the keys
@@ -355,7 +411,7 @@ void transpose_keys(const scalar_t* k, int64_t len, int64_t D, float* kt, const 
   j8 = len / 8 * 8, d8 = D / 8 * 8;
   for (int64_t j = 0; j < j8; j += 8) {
     prefetch_upto(j, j + 8);
-    for (int64_t d = 0; d < d8; d += 8) transpose8(k + j * D + d, D, kt + d * kKeyStride + j);
+    for (int64_t d = 0; d < d8; d += 8) transpose8_into(k + j * D + d, D, kt + d * kKeyStride + j);
   }
 #endif
   prefetch_upto(j8, len);
@@ -439,9 +495,15 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
   if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
   float* s = scratch.scores.data();  // [R][kChunk]
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-  transpose_keys(kc, len, D, scratch.keys_t.data(), reinterpret_cast<const char*>(vc), len * row_bytes,
-                 reinterpret_cast<const char*>(next_k), next_len * row_bytes);
-  score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, len);
+  const char* values = reinterpret_cast<const char*>(vc);
+  const char* next_keys = reinterpret_cast<const char*>(next_k);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!score_fused(qt, rp, kc, len, D, R, s, values, len * row_bytes, next_keys, next_len * row_bytes))
+#endif
+  {
+    transpose_keys(kc, len, D, scratch.keys_t.data(), values, len * row_bytes, next_keys, next_len * row_bytes);
+    score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, len);
+  }
 
   int64_t seen_by_all = len;
   scratch.seen.resize(R);
