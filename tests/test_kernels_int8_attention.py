@@ -19,7 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _int8_inputs(kv, g, t, n, tail, d, seed=0):
     """q [1, KV, g*T, D]; codes [1, KV, N, D] as views into a longer buffer (a view's budget slots); scales
-    [1, KV, N] varying by key; float tails [1, KV, tail, D] (tail >= T: the new tokens are its last T)."""
+    [1, KV, N] varying by key; float tails [1, KV, tail, D] (a view's tail holds its new tokens; the kernel
+    only needs N + tail >= T, and the cases include an empty tail)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, kv, g * t, d, generator=gen) * 3
     codes = [torch.randint(-127, 128, (1, kv, n + 5, d), dtype=torch.int8, generator=gen)[:, :, :n] for _ in "kv"]
