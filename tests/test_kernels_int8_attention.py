@@ -68,8 +68,10 @@ def test_bad_int8_inputs_are_refused(built):
         kernels.attend_int8(q, ck.float(), sk, cv, sv, tk, tv, 0.125, 2)
     with pytest.raises(SparsedraftError, match="one float dtype"):
         kernels.attend_int8(q, ck, sk, cv, sv, tk.bfloat16(), tv, 0.125, 2)
-    with pytest.raises(RuntimeError, match="scales must be"):
+    with pytest.raises(SparsedraftError, match=r"scales \[B, KV, N\]"):
         kernels.attend_int8(q, ck, sk[:, :, :10], cv, sv, tk, tv, 0.125, 2)
+    with pytest.raises(SparsedraftError, match="T must be"):
+        kernels.attend_int8(q, ck, sk, cv, sv, tk, tv, 0.125, 4)
 
 
 @torch.inference_mode()

@@ -249,6 +249,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> None:
     require(q.is_cpu and k.is_cpu and v.is_cpu, "attend runs on CPU tensors only")
 
 
+def _built() -> ModuleType:
+    """The built module, or one RuntimeError saying why there is none (callers check :func:`available` first)."""
+    if not available():
+        reason = _failure if enabled() else "SPARSEDRAFT_KERNELS=0"
+        raise RuntimeError(f"the C++ attention kernel is unavailable ({reason}); check kernels.available() first")
+    return _module
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: int,
            key_rows: int = KEY_ROWS) -> torch.Tensor:
     """Attention of q [B, KV, g*T, D] (row i*T + t: head i of the group, new token t) over k, v
@@ -262,10 +270,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t: i
     require(k.stride(3) == 1 and v.stride(3) == 1 and k.stride(2) == k.shape[3] and v.stride(2) == v.shape[3],
             lambda: f"k/v need contiguous rows with consecutive keys head_dim apart, got strides {k.stride()}, "
                     f"{v.stride()}; slice a [B, KV, max_len, D] buffer along S")
-    if not available():
-        reason = _failure if enabled() else "SPARSEDRAFT_KERNELS=0"
-        raise RuntimeError(f"the C++ attention kernel is unavailable ({reason}); check kernels.available() first")
-    return _module.attend(q, k, v, float(scale), int(t), int(key_rows))
+    return _built().attend(q, k, v, float(scale), int(t), int(key_rows))
 
 
 def attend_int8(q: torch.Tensor, codes_k: torch.Tensor, scale_k: torch.Tensor, codes_v: torch.Tensor,
@@ -281,10 +286,17 @@ def attend_int8(q: torch.Tensor, codes_k: torch.Tensor, scale_k: torch.Tensor, c
                     f"{codes_v.dtype} {tuple(codes_v.shape)}")
     require(q.dtype in DTYPES and tail_k.dtype == tail_v.dtype == q.dtype,
             lambda: f"attend_int8 takes q and tails of one float dtype, got {q.dtype}, {tail_k.dtype}, {tail_v.dtype}")
-    if not available():
-        reason = _failure if enabled() else "SPARSEDRAFT_KERNELS=0"
-        raise RuntimeError(f"the C++ attention kernel is unavailable ({reason}); check kernels.available() first")
-    out = _module.attend_int8(q.float().contiguous(), codes_k, scale_k.float(), codes_v, scale_v.float(),
+    b, kv, n, d = codes_k.shape
+    require(q.dim() == 4 and q.shape[:2] == (b, kv) and q.shape[3] == d and scale_k.shape == scale_v.shape == (b, kv, n)
+            and tail_k.shape == tail_v.shape and tail_k.dim() == 4 and tail_k.shape[:2] == (b, kv)
+            and tail_k.shape[3] == d,
+            lambda: f"attend_int8 takes q [B, KV, rows, D], codes [B, KV, N, D], scales [B, KV, N] and tails "
+                    f"[B, KV, S - N, D] of one B, KV, N and D; got q {tuple(q.shape)}, codes {tuple(codes_k.shape)}, "
+                    f"scales {tuple(scale_k.shape)} and {tuple(scale_v.shape)}, tails {tuple(tail_k.shape)} and "
+                    f"{tuple(tail_v.shape)}")
+    require(t >= 1 and q.shape[2] % t == 0 and n + tail_k.shape[2] >= t,
+            lambda: f"T must be >= 1, divide q's {q.shape[2]} rows and fit in the {n + tail_k.shape[2]} keys; got T={t}")
+    out = _built().attend_int8(q.float().contiguous(), codes_k, scale_k.float(), codes_v, scale_v.float(),
                               tail_k.float(), tail_v.float(), float(scale), int(t), int(key_rows))
     return out.to(q.dtype)
 
