@@ -304,6 +304,14 @@ inline void prefetch_span(const char* base, int64_t from, int64_t to) {
   for (int64_t b = from / 64 * 64; b < to; b += 64) __builtin_prefetch(base + b, 0, 2);
 }
 
+// While keys [j0, j1) of a chunk of len are worked on, the same share of this chunk's values (used once the
+// keys are scored) and of the next chunk's keys (none: nullptr): memory keeps streaming in step with the work.
+inline void prefetch_share(const char* values, int64_t value_bytes, const char* next_keys, int64_t next_bytes,
+                           int64_t len, int64_t j0, int64_t j1) {
+  prefetch_span(values, j0 * value_bytes / len, j1 * value_bytes / len);
+  if (next_keys != nullptr) prefetch_span(next_keys, j0 * next_bytes / len, j1 * next_bytes / len);
+}
+
 #if defined(__AVX2__)
 inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
 inline __m128 load4(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift: exact
@@ -349,7 +357,7 @@ inline void transpose8_into(const scalar_t* k, int64_t D, float* kt) {
 // transposed in registers and multiplied straight into the rows' accumulators (eight keys per vector),
 // d in order from 0, so every (key, row) gets score_by_keys's chain and bits. Keys past the last whole
 // block of eight take the same chain one at a time. Storing kt and reading it back was the larger part
-// of a decode's attention. Prefetches as transpose_keys does.
+// of a decode's attention.
 constexpr int64_t kFusedRows = 6;
 
 template <int R, typename scalar_t>
@@ -357,8 +365,7 @@ void score_keys_fused(const float* qt, int64_t rp, const scalar_t* k, int64_t le
                       const char* values, int64_t value_bytes, const char* next_keys, int64_t next_bytes) {
   const int64_t j8 = len / 8 * 8;
   for (int64_t j0 = 0; j0 < j8; j0 += 8) {
-    prefetch_span(values, j0 * value_bytes / len, (j0 + 8) * value_bytes / len);
-    if (next_keys != nullptr) prefetch_span(next_keys, j0 * next_bytes / len, (j0 + 8) * next_bytes / len);
+    prefetch_share(values, value_bytes, next_keys, next_bytes, len, j0, j0 + 8);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
@@ -369,8 +376,7 @@ void score_keys_fused(const float* qt, int64_t rp, const scalar_t* k, int64_t le
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + r * kChunk + j0, acc[r]);
   }
-  prefetch_span(values, j8 * value_bytes / len, value_bytes);
-  if (next_keys != nullptr) prefetch_span(next_keys, j8 * next_bytes / len, next_bytes);
+  prefetch_share(values, value_bytes, next_keys, next_bytes, len, j8, len);
   for (int64_t j = j8; j < len; ++j)
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
@@ -403,18 +409,14 @@ template <typename scalar_t>
 void transpose_keys(const scalar_t* k, int64_t len, int64_t D, float* kt, const char* values,
                     int64_t value_bytes, const char* next_keys, int64_t next_bytes) {
   int64_t j8 = 0, d8 = 0;
-  const auto prefetch_upto = [&](int64_t j0, int64_t j1) {  // the share of keys [j0, j1) of the chunk
-    prefetch_span(values, j0 * value_bytes / len, j1 * value_bytes / len);
-    if (next_keys != nullptr) prefetch_span(next_keys, j0 * next_bytes / len, j1 * next_bytes / len);
-  };
 #if defined(__AVX2__)
   j8 = len / 8 * 8, d8 = D / 8 * 8;
   for (int64_t j = 0; j < j8; j += 8) {
-    prefetch_upto(j, j + 8);
+    prefetch_share(values, value_bytes, next_keys, next_bytes, len, j, j + 8);
     for (int64_t d = 0; d < d8; d += 8) transpose8_into(k + j * D + d, D, kt + d * kKeyStride + j);
   }
 #endif
-  prefetch_upto(j8, len);
+  prefetch_share(values, value_bytes, next_keys, next_bytes, len, j8, len);
   for (int64_t d = 0; d < D; ++d) {
     float* row = kt + d * kKeyStride;
     for (int64_t j = d < d8 ? j8 : 0; j < len; ++j) row[j] = to_float(k[j * D + d]);
