@@ -119,13 +119,13 @@ def step_roofline(verifier: Transformer, drafter: Transformer | FeatureHead, row
                   context: int, budget: int, read_bytes_per_s: float, peak_gflops: float) -> list[StepRow]:
     """The timed steps of ``rows`` beside this machine's roofline (:mod:`.steps`): the verifier's decode and
     (gamma + 1)-token verification over ``context`` cached tokens, and each head's draft step over its
-    ``budget``-token cache. A feature head's step is one layer of the target plus its input projection
+    ``budget``-token cache. A feature head's step is its layers (the target's shape) plus its input projection
     (read once per step, counted as weights) and the head over its draft vocabulary; a slice drafter's is its
     own layers and head. Weights and cache are counted at the verifier's dtype."""
     size = verifier.dtype.itemsize
     dtype = next(name for name, value in DTYPES.items() if value == verifier.dtype)
     first = rows[0]
-    layer = drafter.layer_config(drafter.cfg) if isinstance(drafter, FeatureHead) else drafter.cfg
+    layer = drafter.cfg  # a feature head's own config holds its layers only
     out = [step_row("decode", dtype, first.verifier_ms, step_cost(verifier.cfg, context, 1, size), read_bytes_per_s,
                     peak_gflops),
            step_row(f"verify-{first.verify_tokens}", dtype, first.verify_ratio * first.verifier_ms,

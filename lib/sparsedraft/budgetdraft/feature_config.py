@@ -66,6 +66,9 @@ class FeatureTrainConfig:
     fuse_layers: tuple[int, ...] = field(default=(), metadata={
         "help": "lower target layers whose outputs the head fuses with the top layer's (EAGLE-3's low and middle "
                 "features, e.g. 2 15 on a 30-layer target); none: EAGLE's top-layer feature alone"})
+    depth: int = field(default=1, metadata={
+        "help": "decoder layers of the head (EAGLE: 1); a deeper head trained from a shallower one (--head-init) "
+                "starts as it, its new layers adding nothing until they learn to"})
     unroll: int = field(default=3, metadata={"help": "draft steps of the training-time test after the first"})
     chains: int = field(default=256, metadata={"help": "chain starts per window that the unroll follows"})
     step_decay: float = field(default=0.8, metadata={"help": "weight of unroll step j is step_decay ** j"})
@@ -132,6 +135,7 @@ class FeatureTrainConfig:
         require(self.lam >= 0, f"lam (weight of L_C) must be >= 0, got {self.lam}; use 0 for the L_A-only ablation")
         require(all(i >= 0 for i in self.fuse_layers) and list(self.fuse_layers) == sorted(set(self.fuse_layers)),
                 f"fuse_layers must be distinct layer indices >= 0, ascending; got {list(self.fuse_layers)}")
+        require(isinstance(self.depth, int) and self.depth >= 1, f"depth must be >= 1 decoder layers, got {self.depth!r}")
         require(len(self.budgets) >= 1, "budgets must name at least one KV budget, e.g. 256 512 1024 2048")
         for budget in self.budgets:
             check_budget(budget, self.chunk_size)
@@ -157,8 +161,9 @@ class FeatureTrainConfig:
     def shaping(self) -> dict[str, Any]:
         """Fields that decide the weights after a given step (``steps`` is left out so a run can be extended)."""
         shaping = {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
-        if not self.fuse_layers:  # so runs from before the field keep their names and checkpoints
-            del shaping["fuse_layers"]
+        for name, default in (("fuse_layers", ()), ("depth", 1)):
+            if getattr(self, name) == default:  # so runs from before the field keep their names and checkpoints
+                del shaping[name]
         return shaping
 
     @property

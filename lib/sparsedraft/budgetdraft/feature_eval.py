@@ -86,7 +86,7 @@ def budgeted_agreement(head: FeatureHead, window: Window, budgets: Sequence[int]
     prefix = t - 1 - continuation
     require(prefix > max(budgets), f"a window of {t} tokens leaves a prefix of {prefix} entries, not more than the "
                                    f"largest budget {max(budgets)}; use a shorter continuation")
-    capture = Capture(layers={0})
+    capture = Capture(layers=set(range(head.depth)))
     outs, view = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long, device=device), 0, None, capture)
     tok = TokenHead(head, None)
     wanted = greedy[:, prefix + 1:]

@@ -207,7 +207,7 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
         return None if soft is None else (soft[0][:, index], soft[1][:, index])
 
     sparse = bool(lam) and draws.budget is not None
-    capture = Capture(layers={0}) if sparse else None
+    capture = Capture(layers=set(range(head.depth))) if sparse else None
     outs, view = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture)
     parts: dict[str, float] = {}
     pred0 = outs[0]

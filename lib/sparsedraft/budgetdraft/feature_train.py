@@ -38,8 +38,8 @@ from ..engine.weights import load_model
 from ..errors import require
 from ..progress import bar, bars_on
 from ..report import read_table
-from ..speculative.feature import (FeatureHead, check_feature_drafter, check_fuse_layers, load_feature_head,
-                                   save_feature_head)
+from ..speculative.feature import (FeatureHead, check_depth, check_feature_drafter, check_fuse_layers,
+                                   load_feature_head, save_feature_head)
 from ..speculative.vocab import frequent_tokens
 from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
 from .feature_config import SET_SEED_STRIDE, FeatureTrainConfig
@@ -273,6 +273,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
     target.requires_grad_(False)
     tokenizer = tokenizer if tokenizer is not None else model_tokenizer(cfg.verifier)
     check_fuse_layers(cfg.fuse_layers, target.cfg.num_layers)
+    check_depth(cfg.depth, target.cfg.num_layers)
     lineage, parent_curve = None, []
     if cfg.head_init and saved is None:  # a wrong folder is refused before the teacher data is made
         parent = check_feature_drafter(cfg.head_init, target)
@@ -281,12 +282,15 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
                                                  f"{list(theirs)}, this run {list(cfg.fuse_layers)}; pass "
                                                  f"--fuse-layers {' '.join(map(str, theirs))}, or start from "
                                                  "scratch or from a head that reads the top layer alone")
+        require(int(parent.get("depth", 1)) <= cfg.depth,
+                f"the drafter in {cfg.head_init} has {parent.get('depth', 1)} layers, this run {cfg.depth}; pass "
+                f"--depth {parent.get('depth', 1)} or more (a head can grow deeper, not shallower)")
         lineage = started_from(parent)
         parent_curve = read_curve(Path(cfg.head_init) / CURVE)  # read now: the export may overwrite the folder
     data = load_feature_data(cfg, target, tokenizer, progress)
     data_seconds = time.time() - began
 
-    head = FeatureHead(target.cfg, cfg.fuse_layers).to(device=target.device, dtype=torch.float32)
+    head = FeatureHead(target.cfg, cfg.fuse_layers, cfg.depth).to(device=target.device, dtype=torch.float32)
     head.attach(target)
     step, history = 0, []
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -298,9 +302,12 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         if cfg.head_init:
             parent_head = load_feature_head(cfg.head_init, target)
             widen = bool(cfg.fuse_layers) and not parent_head.fuse_layers  # a top-only head learns to fuse
-            head.load_state_dict(parent_head.state_dict(), strict=not widen)  # widened: all but fuse's own
+            deepen = cfg.depth > parent_head.depth  # new layers on top of the trained ones
+            head.load_state_dict(parent_head.state_dict(), strict=not (widen or deepen))  # all they share
             if widen:
                 head.init_fuse(data.scales)  # the lower layers silent: it starts as the head it was
+            if deepen:
+                head.init_layers(target, parent_head.depth)  # new layers add nothing: the same start
             if evaluate is not None:  # the same end-of-run check on the head it starts from: before and after
                 lineage["measured"] = evaluate(head.eval())
         else:

@@ -17,8 +17,12 @@ drafter's file. That file is a safetensors of the owned weights beside a JSON
 record of the target's :func:`fingerprint`, so a drafter loaded against another
 target is refused before any forward.
 
-The head's own KV cache is any :class:`~sparsedraft.engine.cache.KVCache` of a
-one-layer config (:meth:`FeatureHead.layer_config`): a full
+``depth`` stacks more decoder layers in the head (EAGLE's is one): capacity, the
+lever left once more of the target's own text stopped moving the one-layer head
+(``docs/feature-drafter.md``). A draft step then costs ``depth`` layers.
+
+The head's own KV cache is any :class:`~sparsedraft.engine.cache.KVCache` of the
+head's own config (``head.cfg``, :meth:`FeatureHead.layer_config`): a full
 :class:`~sparsedraft.engine.cache.StaticCache`, a StreamingLLM window, or
 BudgetDraft's budgeted cache. Position ``t`` of that cache holds the entry
 ``(f_t, x_{t+1})``.
@@ -49,7 +53,8 @@ FORMAT = 1  # bump when the owned weights or the record change meaning
 
 
 class FeatureHead(nn.Module):
-    """``fc`` [2*hidden -> hidden] and one decoder layer of the target's family; the rest is the target's.
+    """``fc`` [2*hidden -> hidden] and ``depth`` decoder layers of the target's family (EAGLE: one); the rest is
+    the target's.
 
     ``fuse_layers`` (lower target layers, ascending; EAGLE-3's low and middle features) adds ``fuse``
     [(k+1)*hidden -> hidden]: the head then reads the target's features as those layers' outputs followed by
@@ -57,13 +62,13 @@ class FeatureHead(nn.Module):
     start so every block is as loud as the top one), and fuses them into one feature. Its own predictions are
     top-layer features, fed back as they are. Without it the head is EAGLE's."""
 
-    def __init__(self, cfg: ModelConfig, fuse_layers: tuple[int, ...] = ()):
+    def __init__(self, cfg: ModelConfig, fuse_layers: tuple[int, ...] = (), depth: int = 1):
         super().__init__()
-        self.cfg = self.layer_config(cfg)
+        self.cfg = self.layer_config(cfg, check_depth(depth, cfg.num_layers))
         hidden = cfg.hidden_size
         self.fuse_layers = check_fuse_layers(fuse_layers, cfg.num_layers)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList([Block(self.cfg, 0)])
+        self.layers = nn.ModuleList(Block(self.cfg, i) for i in range(depth))
         if self.fuse_layers:
             width = (len(self.fuse_layers) + 1) * hidden
             self.fuse = nn.Linear(width, hidden, bias=False)
@@ -90,10 +95,14 @@ class FeatureHead(nn.Module):
                 f"Capture(hidden=True, hidden_layers={self.fuse_layers})")
         return project(self.fuse, features.to(self.dtype) * self.fuse_gain)
 
+    @property
+    def depth(self) -> int:
+        return self.cfg.num_layers
+
     @staticmethod
-    def layer_config(cfg: ModelConfig) -> ModelConfig:
-        """The target's config cut to one layer: what the head's KV caches are sized with."""
-        return cfg.replace(num_layers=1)
+    def layer_config(cfg: ModelConfig, depth: int = 1) -> ModelConfig:
+        """The target's config cut to the head's ``depth`` layers: what the head's KV caches are sized with."""
+        return cfg.replace(num_layers=depth)
 
     def attach(self, target: Transformer, head: nn.Module | None = None) -> "FeatureHead":
         """Borrow ``target``'s embedding, norm, rotary embedding and LM head (or ``head``, e.g. a
@@ -132,13 +141,29 @@ class FeatureHead(nn.Module):
 
     def init_from(self, target: Transformer) -> "FeatureHead":
         """EAGLE's start: the layer copies the target's top block, ``fc`` passes the feature through (the
-        embedding half starts at zero), so the untrained head predicts 'the same feature again'."""
+        embedding half starts at zero), so the untrained head predicts 'the same feature again'. Layers past
+        the first start as :meth:`init_layers` makes them, so a deeper untrained head is the one-layer one."""
         self.layers[0].load_state_dict(target.layers[-1].state_dict())
         hidden = self.cfg.hidden_size
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden] = torch.eye(hidden, dtype=self.dtype, device=self.device)
-        return self.init_fuse()
+        return self.init_layers(target, 1).init_fuse()
+
+    def init_layers(self, target: Transformer, first: int) -> "FeatureHead":
+        """Layers ``first..depth-1`` as the target's top block with their output projections (``o_proj``,
+        ``down_proj``) at zero: each adds nothing to its input, so the head computes what its first ``first``
+        layers did (a trained shallower head keeps its predictions at the start of a deeper run), while its
+        norms and attention start as the target's own, with gradients from the first step."""
+        top = target.layers[-1].state_dict()
+        with torch.no_grad():
+            for layer in self.layers[first:]:
+                layer.load_state_dict(top)
+                for out in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    out.weight.zero_()
+                    if out.bias is not None:
+                        out.bias.zero_()
+        return self
 
     def init_fuse(self, scales: list[float] | None = None) -> "FeatureHead":
         """``fuse`` as the top block's pass-through, the lower layers silent (so the head computes what it did
@@ -186,6 +211,13 @@ class Entries:
         feats = self.features[:, start:start + tokens.shape[1]]
         out = self.head(feats, tokens, positions, cache, capture)
         return self.head.logits(out[:, -1:] if last_only else out)
+
+
+def check_depth(depth: int, num_layers: int) -> int:
+    """``depth`` after checking it is a whole number of layers from 1 to the target's own."""
+    require(isinstance(depth, int) and 1 <= depth <= num_layers,
+            f"a feature head's depth is 1..{num_layers} decoder layers (the target's own count), got {depth!r}")
+    return depth
 
 
 def check_fuse_layers(layers: tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
@@ -245,6 +277,8 @@ def save_feature_head(head: FeatureHead, folder: str | Path, target: Transformer
     record = {"kind": KIND, "format": FORMAT, "target": fingerprint(target), **(extra or {})}
     if head.fuse_layers:
         record["fuse_layers"] = list(head.fuse_layers)
+    if head.depth > 1:  # a one-layer head's record stays as before the option
+        record["depth"] = head.depth
     tmp = folder / (RECORD + ".tmp")
     tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
     tmp.replace(folder / RECORD)
@@ -279,7 +313,7 @@ def check_feature_drafter(folder: str | Path, target: Transformer) -> dict[str, 
 def load_feature_head(folder: str | Path, target: Transformer) -> FeatureHead:
     """The drafter in ``folder``, checked against ``target`` first, on its device and dtype and attached."""
     record = check_feature_drafter(folder, target)
-    head = FeatureHead(target.cfg, tuple(record.get("fuse_layers", ())))
+    head = FeatureHead(target.cfg, tuple(record.get("fuse_layers", ())), int(record.get("depth", 1)))
     weights = load_file(str(Path(folder) / WEIGHTS))
     missing = set(head.state_dict()) ^ set(weights)
     require(not missing, f"{folder}/{WEIGHTS} does not hold a feature head's weights (mismatched: {sorted(missing)})")
