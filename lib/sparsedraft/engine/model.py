@@ -268,36 +268,6 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
-def project_many(layers: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
-    """``[project(layer, x) for layer in layers]``; a decode or verification step (at most
-    :data:`~sparsedraft.engine.kernels.MAX_LINEAR_ROWS` rows) whose layers are all ``nn.Linear`` of x's dtype, or
-    all :class:`~sparsedraft.engine.quant.Int8Linear`, makes one kernel call for them all
-    (:func:`~sparsedraft.engine.kernels.linear_many`), which gives each output the bits :func:`project` gives it:
-    a decode step makes 4 calls per layer instead of 7."""
-    parts = None if _GEMM_BATCHES.get() else _kernel_weights(layers)
-    if parts is not None and x.numel() <= kernels.MAX_LINEAR_ROWS * x.shape[-1] and kernels.linear_fits(x, parts[0][0]):
-        weights, biases, scales = parts
-        out = kernels.linear_many(x, weights, biases, scales)
-        return list(out.split([w.shape[0] for w in weights], -1))
-    return [project(layer, x) for layer in layers]
-
-
-def _kernel_weights(layers: tuple[nn.Module, ...]):
-    """(weights, biases, scales) of ``layers`` for :func:`~sparsedraft.engine.kernels.linear_many` when they are
-    all ``nn.Linear`` (scales None) or all ``Int8Linear`` with contiguous weights of one dtype; None otherwise."""
-    if all(type(layer) is nn.Linear for layer in layers):
-        weights = [layer._parameters["weight"] for layer in layers]
-        biases, scales = [layer._parameters["bias"] for layer in layers], None
-    elif all(isinstance(layer, Int8Linear) for layer in layers):
-        weights, biases = [layer.weight_int8 for layer in layers], [layer.bias for layer in layers]
-        scales = [layer.scale for layer in layers]
-    else:
-        return None
-    if any(w.dtype != weights[0].dtype or not w.is_contiguous() for w in weights):
-        return None
-    return weights, biases, scales
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -314,10 +284,9 @@ class Attention(nn.Module):
     def forward(self, x, angles, cache: KVCache, capture: Capture | None):
         b, t, _ = x.shape
         cfg = self.cfg
-        q, k, v = project_many((self.q_proj, self.k_proj, self.v_proj), x)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = project(self.q_proj, x).view(b, t, cfg.num_heads, cfg.head_dim)
+        k = project(self.k_proj, x).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = project(self.v_proj, x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         if self.q_norm is not None:  # per head, over head_dim: [B, T, H, D] as well as [B, H, T, D]
             q, k = self.q_norm(q), self.k_norm(k)
         if is_step(q):  # rotate [B, T, H, D] rows in C++, then transpose
@@ -350,8 +319,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = project_many((self.gate_proj, self.up_proj), x)
-        return project(self.down_proj, F.silu(gate) * up)
+        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class Block(nn.Module):

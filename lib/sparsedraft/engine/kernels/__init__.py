@@ -373,32 +373,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 _NO_BIAS: dict[torch.dtype, torch.Tensor] = {}  # linear's "no bias" argument, one per dtype
 
 
-def linear_many(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                scales: list[torch.Tensor] | None = None, paired: bool = True) -> torch.Tensor:
-    """:func:`linear` of several weights [N_i, K] over the same rows of x [..., K] in one call (the projections
-    that read one input: q, k and v; gate and up): out [..., sum N_i], weight i's outputs in columns
-    sum N_<i .. sum N_<=i, each bitwise what :func:`linear` gives that weight alone. One call instead of one per
-    weight saves what every call costs whatever its size (the Python wrapper, the binding, a parallel region:
-    a few microseconds, next to the ~5 microseconds it takes to read a 192 x 576 int8 weight). Weights all of
-    x's dtype, or all int8 codes with ``scales`` (one per output row of each). Call :func:`available` first."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    require(1 <= rows <= MAX_LINEAR_ROWS and len(weights) >= 1 and len(biases) == len(weights),
-            lambda: f"kernels.linear_many takes 1..{MAX_LINEAR_ROWS} rows and a bias (or None) per weight, got "
-                    f"{rows} rows, {len(weights)} weights and {len(biases)} biases")
-    require((scales is not None) == (weights[0].dtype == torch.int8)
-            and (scales is None or len(scales) == len(weights)),
-            lambda: "kernels.linear_many takes a scale per weight with int8 weights and only then, got "
-                    f"{weights[0].dtype} weights and {'no' if scales is None else len(scales)} scales")
-    empty = _NO_BIAS.get(x.dtype)
-    if empty is None:
-        empty = _NO_BIAS[x.dtype] = torch.empty(0, dtype=x.dtype)
-    biases = [empty if b is None else b for b in biases]
-    if not x.is_contiguous():
-        x = x.contiguous()
-    scales = [] if scales is None else [s.float().contiguous() for s in scales]
-    return _module.linear_many(x, weights, scales, biases, paired)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of contiguous x (fp32 or bf16, CPU), Hugging Face's order: normalise
     in float32, round to x's dtype, times ``weight`` [D] of x's dtype. Each row's bits are independent of the

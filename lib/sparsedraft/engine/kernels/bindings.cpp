@@ -1,10 +1,7 @@
 // The one Python module of the C++ kernels: each kernel lives in its own file, bound here.
 
 #include <ATen/core/Tensor.h>
-#include <pybind11/stl.h>  // lists of tensors (linear_many)
 #include <torch/csrc/utils/pybind.h>  // the Tensor <-> Python caster; far lighter than torch/extension.h
-
-#include <vector>
 
 #include "tiles.h"
 
@@ -17,9 +14,6 @@ int64_t attend_chunk();
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired);
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& bias, bool paired);
-at::Tensor few_rows_linear_many(const at::Tensor& x, const std::vector<at::Tensor>& ws,
-                                const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& biases,
-                                bool paired);
 at::Tensor step_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor step_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
@@ -62,8 +56,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_path") = vector_path();
   m.def("linear", &few_rows_linear, "x W^T (+ b) for 1..16 rows, each weight read once (few_rows_linear.cpp)");
   m.def("linear_int8", &few_rows_linear_int8, "(x Q^T) * scale (+ b) for 1..16 rows over int8 codes Q");
-  m.def("linear_many", &few_rows_linear_many,
-        "several weights (float, or int8 each with its scale) over the same rows, outputs side by side");
   m.def("rms_norm", &step_rms_norm, "RMSNorm of each row, Hugging Face's order (step_pointwise.cpp)");
   m.def("rope", &step_rope, "rotary embedding of x [..., H, D] by cos, sin [..., D] (step_pointwise.cpp)");
 }

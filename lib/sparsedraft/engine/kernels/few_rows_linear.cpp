@@ -25,7 +25,6 @@
 #include <ATen/ops/empty.h>
 
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -362,67 +361,35 @@ DotFn pick_dot(int64_t m, std::integer_sequence<int, Ms...>) {
 
 }  // namespace
 
-// x W_s^T (+ b_s) for each weight W_s of ``ws`` (all [N_s, K], one dtype), or with int8 codes and a scale per
-// output row, (x Q_s^T) * scale_s (+ b_s), written side by side into one out [..., sum N_s]: the projections
-// that read the same x (q, k and v; gate and up) cost one call, one parallel region and one pass over x
-// instead of one each. Output (m, n) of weight s gets the bits it gets alone: the same lanes and order over k
-// (tiles: the same blocks of 16 from the weight's first row), the scale and the bias applied once after the
-// sum, in float32.
-static at::Tensor rows_linear(const at::Tensor& x, const std::vector<at::Tensor>& ws,
-                              const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& biases,
+// x W^T (+ b), or with int8 codes w and a scale per output row, (x Q^T) * scale (+ b): the same lanes and
+// order over k either way, the scale applied once per output after the sum.
+static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
                               bool paired) {
-  const int64_t n_w = static_cast<int64_t>(ws.size());
-  TORCH_CHECK(n_w >= 1 && static_cast<int64_t>(biases.size()) == n_w,
-              "few_rows_linear takes one or more weights and a bias (or an empty tensor) for each");
-  TORCH_CHECK(x.dim() >= 1, "few_rows_linear takes x [..., K]");
-  const int64_t m_len = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1), k_len = x.size(-1);
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
+              "few_rows_linear takes x [..., K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
+  const int64_t m_len = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1), k_len = x.size(-1), n_len = w.size(0);
   TORCH_CHECK(m_len >= 1 && m_len <= kMaxRows, "few_rows_linear takes 1..", kMaxRows, " rows, got ", m_len);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "few_rows_linear takes float32 or bfloat16 x");
-  const bool codes = ws[0].scalar_type() == at::kChar;
-  TORCH_CHECK(codes ? static_cast<int64_t>(scales.size()) == n_w : scales.empty(),
-              "few_rows_linear takes a scale for each int8 weight, and none for float weights");
-  std::vector<int64_t> off(n_w + 1, 0);
-  for (int64_t s = 0; s < n_w; ++s) {
-    const auto& w = ws[s];
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == k_len, "few_rows_linear takes x [..., K] and w [N, K], got ",
-                x.sizes(), " and ", w.sizes());
-    TORCH_CHECK(codes ? w.scalar_type() == at::kChar && scales[s].numel() == w.size(0) &&
-                            scales[s].scalar_type() == at::kFloat && scales[s].is_contiguous()
-                      : w.scalar_type() == x.scalar_type(),
-                "few_rows_linear takes weights of x's dtype, or int8 weights each with a contiguous float32 scale "
-                "per output row");
-    TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(),
-                "few_rows_linear takes CPU tensors and contiguous weights");
-    const auto& b = biases[s];
-    TORCH_CHECK(!b.defined() || b.numel() == 0 || (b.dim() == 1 && b.size(0) == w.size(0) &&
-                                                   b.scalar_type() == x.scalar_type()),
-                "each bias must be empty or [N] of x's dtype");
-    off[s + 1] = off[s] + w.size(0);
-  }
-  const int64_t ld = off[n_w];  // out's row stride: every weight's outputs side by side
-  auto out_sizes = x.sizes().vec();  // x's leading dims, then sum N: the caller reshapes nothing
-  out_sizes.back() = ld;
+  const bool codes = w.scalar_type() == at::kChar;
+  TORCH_CHECK(codes ? scale.defined() && scale.numel() == w.size(0) && scale.scalar_type() == at::kFloat
+                    : w.scalar_type() == x.scalar_type(),
+              "few_rows_linear takes w of x's dtype, or int8 w with a float32 scale per output row");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(),
+              "few_rows_linear takes CPU tensors and a contiguous weight");
+  auto out_sizes = x.sizes().vec();  // x's leading dims, then N: the caller reshapes nothing
+  out_sizes.back() = n_len;
   auto yf = at::empty(out_sizes, x.options().dtype(at::kFloat));
   float* yp = yf.data_ptr<float>();
-  // Rows [g0, g1) of the weights laid end to end: each weight's share, in its own row numbers.
-  auto each = [&](int64_t g0, int64_t g1, auto&& run) {
-    for (int64_t s = 0; s < n_w; ++s) {
-      const int64_t lo = std::max(g0, off[s]), hi = std::min(g1, off[s + 1]);
-      if (lo < hi) run(s, lo - off[s], hi - off[s], yp + off[s]);
-    }
-  };
   const auto ms = std::make_integer_sequence<int, kMaxRows>{};
 #if SPARSEDRAFT_TILES
   if (x.scalar_type() == at::kBFloat16 && !codes && k_len % 32 == 0 && tiles_on()) {
     std::vector<uint16_t> xv(16 * k_len);
     const auto xc = x.contiguous();
     pack_operand(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), m_len, 16, k_len, xv.data());
-    at::parallel_for(0, ld, kGrain, [&](int64_t g0, int64_t g1) {
-      each(g0, g1, [&](int64_t s, int64_t n0, int64_t n1, float* y) {
-        tile_rows(xv.data(), reinterpret_cast<const uint16_t*>(ws[s].data_ptr<at::BFloat16>()), k_len, m_len, n0,
-                  n1, y, ld);
-      });
+    auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
+      tile_rows(xv.data(), wp, k_len, m_len, n0, n1, yp, n_len);
     });
   } else
 #endif
@@ -430,68 +397,43 @@ static at::Tensor rows_linear(const at::Tensor& x, const std::vector<at::Tensor>
   if (x.scalar_type() == at::kBFloat16 && !codes) {
     const auto xc = x.contiguous();
     const auto xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    const auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     const DotFn fn = pick_dot(m_len, ms);
-    at::parallel_for(0, ld, kGrain, [&](int64_t g0, int64_t g1) {
-      each(g0, g1, [&](int64_t s, int64_t n0, int64_t n1, float* y) {
-        fn(xb, reinterpret_cast<const uint16_t*>(ws[s].data_ptr<at::BFloat16>()), k_len, n0, n1, y, ld);
-      });
-    });
+    at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) { fn(xb, wp, k_len, n0, n1, yp, n_len); });
   } else
 #endif
   {
   const auto xf = x.to(at::kFloat).contiguous();  // the vector paths read x in float32 (a copy per call)
   const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, ld, kGrain, [&](int64_t g0, int64_t g1) {
-    each(g0, g1, [&](int64_t s, int64_t n0, int64_t n1, float* y) {
-      const auto& w = ws[s];
-      if (codes) {
-        pick<int8_t>(m_len, ms)(xp, w.data_ptr<int8_t>(), k_len, n0, n1, y, ld, paired);
-      } else if (w.scalar_type() == at::kFloat) {
-        pick<float>(m_len, ms)(xp, w.data_ptr<float>(), k_len, n0, n1, y, ld, paired);
-      } else {
-        pick<uint16_t>(m_len, ms)(xp, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), k_len, n0, n1,
-                                  y, ld, paired);
-      }
-    });
+  at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
+    if (codes) {
+      pick<int8_t>(m_len, ms)(xp, w.data_ptr<int8_t>(), k_len, n0, n1, yp, n_len, paired);
+    } else if (w.scalar_type() == at::kFloat) {
+      pick<float>(m_len, ms)(xp, w.data_ptr<float>(), k_len, n0, n1, yp, n_len, paired);
+    } else {
+      auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+      pick<uint16_t>(m_len, ms)(xp, wp, k_len, n0, n1, yp, n_len, paired);
+    }
   });
   }
-  for (int64_t s = 0; s < n_w; ++s) {  // after the sum, in float32: the same for every M
-    const int64_t n_s = off[s + 1] - off[s];
-    const float* sc = codes ? scales[s].data_ptr<float>() : nullptr;
-    const auto& b = biases[s];
-    const bool has_bias = b.defined() && b.numel() > 0;
-    for (int64_t m = 0; m < m_len; ++m) {
-      float* y = yp + m * ld + off[s];
-      if (sc != nullptr)
-        for (int64_t n = 0; n < n_s; ++n) y[n] *= sc[n];
-      if (has_bias && b.scalar_type() == at::kFloat) {
-        const float* bp = b.data_ptr<float>();
-        for (int64_t n = 0; n < n_s; ++n) y[n] += bp[n];
-      } else if (has_bias) {
-        const auto* bp = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
-        for (int64_t n = 0; n < n_s; ++n) y[n] += bf16_to_float(bp[n]);
-      }
-    }
+  if (codes) yf.mul_(scale.contiguous().view({1, n_len}));  // after the sum: the same for every M
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_len, "bias must be [N]");
+    yf.add_(bias.to(at::kFloat));  // after the sum, in float32: the same for every M
   }
   if (x.scalar_type() == at::kFloat) return yf;
   auto out = at::empty(out_sizes, x.options());
   auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < m_len * ld; ++i) op[i] = float_to_bf16(yp[i]);
+  for (int64_t i = 0; i < m_len * n_len; ++i) op[i] = float_to_bf16(yp[i]);
   return out;
 }
 
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired) {
-  return rows_linear(x, {w}, {}, {bias}, paired);
+  return rows_linear(x, w, at::Tensor(), bias, paired);
 }
 
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& bias, bool paired) {
   TORCH_CHECK(codes.scalar_type() == at::kChar, "few_rows_linear_int8 takes int8 codes");
-  return rows_linear(x, {codes}, {scale}, {bias}, paired);
-}
-
-at::Tensor few_rows_linear_many(const at::Tensor& x, const std::vector<at::Tensor>& ws,
-                                const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& biases,
-                                bool paired) {
-  return rows_linear(x, ws, scales, biases, paired);
+  return rows_linear(x, codes, scale, bias, paired);
 }
