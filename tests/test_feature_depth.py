@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from feature_heads import greedy_run, perturbed_head, raced, small_run
 
 from sparsedraft import SparsedraftError, decode
-from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
 from sparsedraft.engine.cache import StaticCache
 from sparsedraft.engine.generate import generate
 from sparsedraft.engine.tiny import tiny_model
-from sparsedraft.speculative import speculative
 from sparsedraft.speculative.feature import FeatureHead, load_feature_head, read_record, save_feature_head
 from sparsedraft.speculative.feature_drafter import FeatureDrafter
 
@@ -30,19 +29,12 @@ NEW = 20
 
 def deep_head(target, depth: int = 2, seed: int = 1, noise: float = 0.2) -> FeatureHead:
     """A deeper head whose every layer is heard (all weights perturbed, the zeroed projections included)."""
-    head = FeatureHead(target.cfg, depth=depth).init_from(target).attach(target)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(noise * (p.std() + 0.02) * torch.randn(p.shape, generator=gen))
-    return head.requires_grad_(False)
+    return perturbed_head(target, depth=depth, seed=seed, noise=noise, floor=0.02)[0]
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_model("qwen3", seed=2)
-    prompt = torch.randint(0, target.cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
-    return target, deep_head(target), prompt, generate(target, prompt, NEW).tokens
+    return raced(deep_head, NEW)
 
 
 def test_the_untrained_deeper_head_is_the_one_layer_head():
@@ -62,12 +54,7 @@ def test_the_untrained_deeper_head_is_the_one_layer_head():
 
 @pytest.mark.parametrize("cache", ["full", "streaming", "budget"])
 def test_greedy_speculation_with_a_deeper_head_equals_autoregressive(pair, cache):
-    target, head, prompt, ar = pair
-    drafter = FeatureDrafter.create(head, cache, prompt.shape[1] + NEW, gamma=3, sink=4, window=8, budget=16,
-                                    chunk_size=4)
-    out = speculative(target, drafter, prompt, NEW, 3)
-    assert torch.equal(out.tokens, ar)
-    level = out.stats.levels[-1]
+    level = greedy_run(pair, cache).stats.levels[-1]
     assert 0 < level.accepted < level.drafted  # both outcomes happened
 
 
@@ -94,12 +81,7 @@ def test_a_saved_deeper_head_loads_as_itself_and_decodes_everywhere(pair, tmp_pa
 
 def test_a_one_layer_drafter_deepens_into_one_that_starts_as_itself(tmp_path, monkeypatch):
     target = tiny_model("llama")
-    base = dict(verifier="tiny-llama", seq_len=64, sequences=2, pydoc_sequences=0, sampled_sequences=0,
-                eval_sequences=1, draft_vocab=64, chains=16, continuation=16, budgets=(16, 32), obs_window=8,
-                steps=3, warmup=1, lr=3e-3, checkpoint_every=3, eval_every=0, final_context=0,
-                teacher_dir=str(tmp_path / "teacher"))
-    one = train_feature_drafter(FeatureTrainConfig(**base, out_dir=str(tmp_path / "one")), target, progress=False,
-                                provenance=False)
+    one = train_feature_drafter(small_run(tmp_path, "one"), target, progress=False, provenance=False)
     started, saved = {}, load_feature_head(one.run_dir / "drafter", target)  # what the folder holds (bf16)
     real = FeatureHead.init_layers
 
@@ -112,9 +94,8 @@ def test_a_one_layer_drafter_deepens_into_one_that_starts_as_itself(tmp_path, mo
         started["first"] = first
         return head
     monkeypatch.setattr(FeatureHead, "init_layers", spy)
-    deep = train_feature_drafter(FeatureTrainConfig(**base, depth=2, head_init=str(one.run_dir / "drafter"),
-                                                    out_dir=str(tmp_path / "deep")), target, progress=False,
-                                 provenance=False)
+    deep = train_feature_drafter(small_run(tmp_path, "deep", depth=2, head_init=str(one.run_dir / "drafter")),
+                                 target, progress=False, provenance=False)
     assert started == {"same": True, "first": 1}  # the deeper head began as the one-layer head it was loaded from
     assert deep.head.depth == 2 and deep.record["recipe"]["depth"] == 2
     assert float(deep.head.layers[1].mlp.down_proj.weight.detach().abs().max()) > 0  # its new layer learnt (L_C too)
@@ -122,8 +103,7 @@ def test_a_one_layer_drafter_deepens_into_one_that_starts_as_itself(tmp_path, mo
     assert torch.equal(decode(target, prompt, "spec", 12, draft=str(deep.run_dir / "drafter")).tokens,
                        generate(target, prompt, 12).tokens)
     with pytest.raises(SparsedraftError, match="--depth 2 or more"):
-        train_feature_drafter(FeatureTrainConfig(**base, head_init=str(deep.run_dir / "drafter"),
-                                                 out_dir=str(tmp_path / "shallow")), target, progress=False,
-                              provenance=False)
+        train_feature_drafter(small_run(tmp_path, "shallow", head_init=str(deep.run_dir / "drafter")), target,
+                              progress=False, provenance=False)
     with pytest.raises(SparsedraftError, match="depth must be >= 1"):
-        FeatureTrainConfig(**base, depth=0)
+        small_run(tmp_path, "none", depth=0)

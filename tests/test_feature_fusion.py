@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from feature_heads import greedy_run, perturbed_head, raced, small_run
 
 from sparsedraft import SparsedraftError, decode
 from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
@@ -33,20 +34,15 @@ LAYERS = (0,)  # the tiny targets have 2 layers: layer 0's output and the top's
 
 def fused_head(target, seed: int = 1, noise: float = 0.2, layers=LAYERS) -> FeatureHead:
     """A fused head whose lower block is heard (random fuse weights) and whose other weights are perturbed."""
-    head = FeatureHead(target.cfg, layers).init_from(target).attach(target)
-    gen = torch.Generator().manual_seed(seed)
+    head, gen = perturbed_head(target, layers, seed=seed, noise=noise)
     with torch.no_grad():
-        for p in head.parameters():
-            p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
         head.fuse.weight[:, :-target.cfg.hidden_size].normal_(0, 0.05, generator=gen)
-    return head.requires_grad_(False)
+    return head
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_model("qwen3", seed=2)
-    prompt = torch.randint(0, target.cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
-    return target, fused_head(target), prompt, generate(target, prompt, NEW).tokens
+    return raced(fused_head, NEW)
 
 
 def test_the_capture_puts_the_lower_layers_outputs_before_the_tops():
@@ -87,12 +83,7 @@ def test_the_untrained_fused_head_is_eagles_head():
 
 @pytest.mark.parametrize("cache", ["full", "streaming", "budget"])
 def test_greedy_speculation_with_a_fused_head_equals_autoregressive(pair, cache):
-    target, head, prompt, ar = pair
-    drafter = FeatureDrafter.create(head, cache, prompt.shape[1] + NEW, gamma=3, sink=4, window=8, budget=16,
-                                    chunk_size=4)
-    out = speculative(target, drafter, prompt, NEW, 3)
-    assert torch.equal(out.tokens, ar)
-    assert out.stats.levels[-1].drafted > 0
+    assert greedy_run(pair, cache).stats.levels[-1].drafted > 0
 
 
 def test_a_saved_fused_head_loads_as_itself_and_decodes_everywhere(pair, tmp_path):
@@ -173,12 +164,7 @@ def test_fused_sampled_windows_reuse_the_sampled_text_and_add_its_lower_layers(t
 
 def test_a_top_only_drafter_widens_into_a_fused_one_that_starts_as_itself(tmp_path, monkeypatch):
     target = tiny_model("llama")
-    base = dict(verifier="tiny-llama", seq_len=64, sequences=2, pydoc_sequences=0, sampled_sequences=0,
-                eval_sequences=1, draft_vocab=64, chains=16, continuation=16, budgets=(16, 32), obs_window=8,
-                steps=3, warmup=1, lr=3e-3, checkpoint_every=3, eval_every=0, final_context=0,
-                teacher_dir=str(tmp_path / "teacher"))
-    top = train_feature_drafter(FeatureTrainConfig(**base, out_dir=str(tmp_path / "top")), target, progress=False,
-                                provenance=False)
+    top = train_feature_drafter(small_run(tmp_path, "top"), target, progress=False, provenance=False)
     started, saved = {}, load_feature_head(top.run_dir / "drafter", target)  # what the folder holds (bf16)
     real = FeatureHead.init_fuse
 
@@ -190,8 +176,8 @@ def test_a_top_only_drafter_widens_into_a_fused_one_that_starts_as_itself(tmp_pa
             started["same"] = torch.allclose(head(features, tokens), saved(head.top(features), tokens))
         return head
     monkeypatch.setattr(FeatureHead, "init_fuse", spy)
-    wide = train_feature_drafter(FeatureTrainConfig(**base, fuse_layers=LAYERS, head_init=str(top.run_dir / "drafter"),
-                                                    out_dir=str(tmp_path / "wide")), target, progress=False,
+    wide = train_feature_drafter(small_run(tmp_path, "wide", fuse_layers=LAYERS,
+                                           head_init=str(top.run_dir / "drafter")), target, progress=False,
                                  provenance=False)
     assert started["same"]  # the widened head began as the top-only head it was loaded from
     assert wide.head.fuse_layers == LAYERS and wide.record["started_from"]["steps"] == 3
