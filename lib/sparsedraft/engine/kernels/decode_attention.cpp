@@ -486,6 +486,8 @@ void sum_rows(const float* s, int64_t R, int64_t len, float* l) {
   }
 }
 
+constexpr int64_t kWeighKeys = 32;  // keys per step of the keys-as-lanes weighing (one prefetch share each)
+
 // attend_chunk with keys as lanes (steps of at most sh.key_rows rows): the same outputs, bit for bit.
 template <typename scalar_t>
 void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, const scalar_t* vc, int64_t c0,
@@ -499,11 +501,13 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
   const char* values = reinterpret_cast<const char*>(vc);
   const char* next_keys = reinterpret_cast<const char*>(next_k);
+  // The scoring asks for this chunk's values; the next chunk's keys are asked for while the values are weighed
+  // (below), so memory is kept busy through both phases instead of taking both requests during the scoring.
 #if defined(__AVX2__) && defined(__FMA__)
-  if (!score_fused(qt, rp, kc, len, D, R, s, values, len * row_bytes, next_keys, next_len * row_bytes))
+  if (!score_fused(qt, rp, kc, len, D, R, s, values, len * row_bytes, nullptr, 0))
 #endif
   {
-    transpose_keys(kc, len, D, scratch.keys_t.data(), values, len * row_bytes, next_keys, next_len * row_bytes);
+    transpose_keys(kc, len, D, scratch.keys_t.data(), values, len * row_bytes, nullptr, 0);
     score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, len);
   }
 
@@ -528,7 +532,15 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
   sum_rows(s, R, len, l);
   const float* v = as_floats(vc, len * D, scratch.values);
   std::fill(o, o + R * D, 0.0f);
-  weigh(s, 1, kChunk, v, D, 0, R, 0, seen_by_all, o);
+  // Keys in steps, each with its share of the next chunk's keys asked for: a step continues every (row, column)
+  // chain where the last one stopped, so the bits are those of one pass.
+  const int64_t next_bytes = next_len * row_bytes;
+  if (seen_by_all == 0) prefetch_span(next_keys, 0, next_keys != nullptr ? next_bytes : 0);
+  for (int64_t j0 = 0; j0 < seen_by_all; j0 += kWeighKeys) {
+    const int64_t j1 = std::min(seen_by_all, j0 + kWeighKeys);
+    if (next_keys != nullptr) prefetch_span(next_keys, j0 * next_bytes / seen_by_all, j1 * next_bytes / seen_by_all);
+    weigh(s, 1, kChunk, v, D, 0, R, j0, j1, o);
+  }
   for (int64_t r = 0; r < R; ++r)
     if (seen[r] > seen_by_all) weigh(s, 1, kChunk, v, D, r, r + 1, seen_by_all, seen[r], o);
 }
