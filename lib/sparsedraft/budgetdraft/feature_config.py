@@ -135,7 +135,8 @@ class FeatureTrainConfig:
         require(self.lam >= 0, f"lam (weight of L_C) must be >= 0, got {self.lam}; use 0 for the L_A-only ablation")
         require(all(i >= 0 for i in self.fuse_layers) and list(self.fuse_layers) == sorted(set(self.fuse_layers)),
                 f"fuse_layers must be distinct layer indices >= 0, ascending; got {list(self.fuse_layers)}")
-        require(isinstance(self.depth, int) and self.depth >= 1, f"depth must be >= 1 decoder layers, got {self.depth!r}")
+        require(isinstance(self.depth, int) and self.depth >= 1,
+                f"depth must be >= 1 decoder layers, got {self.depth!r}")
         require(len(self.budgets) >= 1, "budgets must name at least one KV budget, e.g. 256 512 1024 2048")
         for budget in self.budgets:
             check_budget(budget, self.chunk_size)
