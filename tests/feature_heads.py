@@ -1,11 +1,15 @@
-"""Feature heads for the driver tests: EAGLE's initial head of a tiny target, perturbed so that it drafts
-wrong tokens too (rejections are exercised), and the target, prompt and plain greedy output it races."""
+"""What the feature-head tests share: EAGLE's initial head of a tiny target, perturbed so that it drafts wrong
+tokens too (rejections are exercised); the target, prompt and plain greedy output it races; a greedy
+speculative run over one cache kind, checked against that output; and a tiny training run to warm-start from."""
 
 import torch
 
+from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
 from sparsedraft.engine.generate import generate
 from sparsedraft.engine.tiny import tiny_model
+from sparsedraft.speculative import speculative
 from sparsedraft.speculative.feature import FeatureHead
+from sparsedraft.speculative.feature_drafter import FeatureDrafter
 
 
 def perturbed_head(target, fuse_layers=(), depth: int = 1, seed: int = 1, noise: float = 0.2,
@@ -32,7 +36,6 @@ def raced(make_head, new: int):
 def small_run(tmp_path, name: str, **changes):
     """A 3-step training run on ``tiny-llama`` into ``tmp_path / name`` (teacher data shared under
     ``tmp_path``): the shape the warm-start tests grow a drafter from."""
-    from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
     base = dict(verifier="tiny-llama", seq_len=64, sequences=2, pydoc_sequences=0, sampled_sequences=0,
                 eval_sequences=1, draft_vocab=64, chains=16, continuation=16, budgets=(16, 32), obs_window=8,
                 steps=3, warmup=1, lr=3e-3, checkpoint_every=3, eval_every=0, final_context=0,
@@ -44,8 +47,6 @@ def greedy_run(pair, cache: str, gamma: int = 3):
     """Speculative greedy decoding of ``pair`` (:func:`raced`) with its head over a fresh cache of kind
     ``cache`` (small sink, window and budget, so every kind selects); asserts the tokens are the plain greedy
     ones and returns the run for the caller's own checks."""
-    from sparsedraft.speculative import speculative
-    from sparsedraft.speculative.feature_drafter import FeatureDrafter
     target, head, prompt, ar = pair
     new = ar.shape[1]  # the plain run's new tokens
     drafter = FeatureDrafter.create(head, cache, prompt.shape[1] + new, gamma=gamma, sink=4, window=8, budget=16,

@@ -305,7 +305,8 @@ inline void prefetch_span(const char* base, int64_t from, int64_t to) {
 }
 
 // While keys [j0, j1) of a chunk of len are worked on, the same share of this chunk's values (used once the
-// keys are scored) and of the next chunk's keys (none: nullptr): memory keeps streaming in step with the work.
+// keys are scored) and of the next chunk's keys (either none: nullptr): memory keeps streaming in step with
+// the work.
 inline void prefetch_share(const char* values, int64_t value_bytes, const char* next_keys, int64_t next_bytes,
                            int64_t len, int64_t j0, int64_t j1) {
   prefetch_span(values, j0 * value_bytes / len, j1 * value_bytes / len);
@@ -532,13 +533,14 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
   sum_rows(s, R, len, l);
   const float* v = as_floats(vc, len * D, scratch.values);
   std::fill(o, o + R * D, 0.0f);
-  // Keys in steps, each with its share of the next chunk's keys asked for: a step continues every (row, column)
-  // chain where the last one stopped, so the bits are those of one pass.
+  // Keys in steps, each with its share of the next chunk's keys asked for (all at once when no key is seen by
+  // every row): a step continues every (row, column) chain where the last one stopped, so the bits are those of
+  // one pass.
   const int64_t next_bytes = next_len * row_bytes;
-  if (seen_by_all == 0) prefetch_span(next_keys, 0, next_keys != nullptr ? next_bytes : 0);
+  if (seen_by_all == 0) prefetch_share(nullptr, 0, next_keys, next_bytes, 1, 0, 1);
   for (int64_t j0 = 0; j0 < seen_by_all; j0 += kWeighKeys) {
     const int64_t j1 = std::min(seen_by_all, j0 + kWeighKeys);
-    if (next_keys != nullptr) prefetch_span(next_keys, j0 * next_bytes / seen_by_all, j1 * next_bytes / seen_by_all);
+    prefetch_share(nullptr, 0, next_keys, next_bytes, seen_by_all, j0, j1);
     weigh(s, 1, kChunk, v, D, 0, R, j0, j1, o);
   }
   for (int64_t r = 0; r < R; ++r)
