@@ -934,6 +934,58 @@ void dequantize_keys(const int8_t* codes, int64_t code_stride, const float* scal
   }
 }
 
+// One head's keys (or values) of a quantised view: codes and a scale per key below n_codes, the float tail
+// from there on.
+struct Int8Keys {
+  const int8_t* codes;
+  const float* scales;
+  const float* tail;
+  int64_t n_codes, D;
+  void floats(int64_t c0, int64_t len, float* out) const {
+    dequantize_keys(codes, D, scales, tail, n_codes, c0, len, D, out);
+  }
+  const char* code_bytes(int64_t key) const { return reinterpret_cast<const char*>(codes + key * D); }
+};
+
+constexpr int64_t kInt8Block = 32;  // keys dequantised at a time on the rows path: 8 KiB of floats, in L1
+
+// attend_chunk's rows path over int8 keys and values, dequantised kInt8Block keys at a time into a buffer that
+// stays in L1 (a whole chunk's 128 KiB of floats did not: writing and reading it back cost about as much as
+// the scores). Each (key, row) score is the same madd chain, the softmax is the chunk's, and each (row,
+// column) output chain takes the keys in order, block after block (weigh resumes from o), so the bits are
+// attend_chunk's over the chunk dequantised whole.
+void attend_chunk_int8_rows(const Shape& sh, const float* qt, const Int8Keys& kq, const Int8Keys& vq, int64_t c0,
+                            int64_t len, Scratch& scratch, float* o, float* m, float* l) {
+  const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
+  if (static_cast<int64_t>(scratch.dequantized.size()) < kInt8Block * D) scratch.dequantized.resize(kInt8Block * D);
+  float* s = scratch.scores.data();
+  float* block = scratch.dequantized.data();
+  const int64_t coded = std::clamp<int64_t>(kq.n_codes - c0, 0, len);  // this chunk's keys held as codes
+  for (int64_t j0 = 0; j0 < len; j0 += kInt8Block) {
+    const int64_t n = std::min(kInt8Block, len - j0);
+    kq.floats(c0 + j0, n, block);
+    // the same keys' value codes come in while these are scored
+    const int64_t vn = std::clamp<int64_t>(coded - j0, 0, n);
+    score(qt, block, s + j0 * rp, D, rp, n, vn > 0 ? vq.code_bytes(c0 + j0) : nullptr, vn > 0 ? D : 0);
+  }
+  const int64_t seen_by_all = softmax_by_rows(sh, s, c0, len, static_cast<const float*>(nullptr), 0, scratch, m, l);
+  const int64_t* seen = scratch.seen.data();
+  int64_t last = seen_by_all;  // keys any row sees
+  for (int64_t r = 0; r < R; ++r) last = std::max(last, seen[r]);
+  std::fill(o, o + R * D, 0.0f);
+  for (int64_t j0 = 0; j0 < last; j0 += kInt8Block) {
+    const int64_t j1 = std::min(last, j0 + kInt8Block);
+    vq.floats(c0 + j0, j1 - j0, block);
+    const float* p = s + j0 * rp;  // weigh reads p[j * rp + r] for keys j from j0
+    if (seen_by_all > j0) weigh(p, rp, 1, block, D, 0, R, 0, std::min(j1, seen_by_all) - j0, o);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t from = std::max(j0, seen_by_all), to = std::min(j1, seen[r]);
+      if (to > from) weigh(p, rp, 1, block, D, r, r + 1, from - j0, to - j0, o);
+    }
+  }
+}
+
 // attend over int8 codes plus a float tail (a quantised draft view): each chunk's keys and values are
 // dequantised into this thread's scratch (in cache) and take the float path, so what streams from memory
 // is the codes, a quarter of fp32's bytes.
@@ -956,14 +1008,20 @@ void run_int8(const Shape& sh, const at::Tensor& q, const at::Tensor& kc, const 
         prefetch_span(base, n0 * D, n1 * D);
       }
     }
+    const Int8Keys keys{kc.data_ptr<int8_t>() + head_of(kc, h), ks.data_ptr<float>() + head_of(ks, h),
+                        kt.data_ptr<float>() + head_of(kt, h), N, D};
+    const Int8Keys values{vc.data_ptr<int8_t>() + head_of(vc, h), vs.data_ptr<float>() + head_of(vs, h),
+                          vt.data_ptr<float>() + head_of(vt, h), N, D};
+    if (R > sh.key_rows) {
+      attend_chunk_int8_rows(sh, qt.data() + h * D * rp, keys, values, c0, len, scratch, o, m, l);
+      return;
+    }
     if (static_cast<int64_t>(scratch.dequantized.size()) < 2 * kChunk * D) scratch.dequantized.resize(2 * kChunk * D);
-    float* keys = scratch.dequantized.data();
-    float* values = keys + kChunk * D;
-    dequantize_keys(kc.data_ptr<int8_t>() + head_of(kc, h), D, ks.data_ptr<float>() + head_of(ks, h),
-                    kt.data_ptr<float>() + head_of(kt, h), N, c0, len, D, keys);
-    dequantize_keys(vc.data_ptr<int8_t>() + head_of(vc, h), D, vs.data_ptr<float>() + head_of(vs, h),
-                    vt.data_ptr<float>() + head_of(vt, h), N, c0, len, D, values);
-    attend_chunk<float>(sh, qt.data() + h * D * rp, keys, values, c0, len, nullptr, 0, scratch, o, m, l);
+    float* kf = scratch.dequantized.data();
+    float* vf = kf + kChunk * D;
+    keys.floats(c0, len, kf);
+    values.floats(c0, len, vf);
+    attend_chunk<float>(sh, qt.data() + h * D * rp, kf, vf, c0, len, nullptr, 0, scratch, o, m, l);
   });
 }
 
