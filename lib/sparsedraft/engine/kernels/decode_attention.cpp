@@ -444,7 +444,7 @@ void score_by_keys(const float* qt, int64_t rp, const float* kt, float* s, int64
 struct Scratch {  // per thread, reused across calls
   std::vector<float> scores, keys, values, row, keys_t;
   std::vector<uint16_t> tiles;  // the tile path's key tail, weights and paired values
-  std::vector<float> dequantized;  // the int8 path's keys and values of one chunk
+  std::vector<float> dequantized;  // the int8 path's block of keys or values as floats
   std::vector<int64_t> seen;
 };
 
@@ -487,31 +487,13 @@ void sum_rows(const float* s, int64_t R, int64_t len, float* l) {
   }
 }
 
-constexpr int64_t kWeighKeys = 32;  // keys per step of the keys-as-lanes weighing (one prefetch share each)
-
-// attend_chunk with keys as lanes (steps of at most sh.key_rows rows): the same outputs, bit for bit.
-template <typename scalar_t>
-void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, const scalar_t* vc, int64_t c0,
-                          int64_t len, const scalar_t* next_k, int64_t next_len, Scratch& scratch, float* o,
-                          float* m, float* l) {
-  const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+// The keys layout's softmax over one chunk (s[r][kChunk], keys as lanes): each row's unseen keys masked, its
+// max, the exponentials in place and their in-order sum into m and l. Returns the keys every row sees
+// (scratch.seen holds each row's count).
+inline int64_t softmax_by_keys(const Shape& sh, float* s, int64_t c0, int64_t len, Scratch& scratch, float* m,
+                               float* l) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  if (static_cast<int64_t>(scratch.keys_t.size()) < D * kKeyStride) scratch.keys_t.assign(D * kKeyStride, 0.0f);
-  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
-  float* s = scratch.scores.data();  // [R][kChunk]
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-  const char* values = reinterpret_cast<const char*>(vc);
-  const char* next_keys = reinterpret_cast<const char*>(next_k);
-  // The scoring asks for this chunk's values; the next chunk's keys are asked for while the values are weighed
-  // (below), so memory is kept busy through both phases instead of taking both requests during the scoring.
-#if defined(__AVX2__) && defined(__FMA__)
-  if (!score_fused(qt, rp, kc, len, D, R, s, values, len * row_bytes, nullptr, 0))
-#endif
-  {
-    transpose_keys(kc, len, D, scratch.keys_t.data(), values, len * row_bytes, nullptr, 0);
-    score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, len);
-  }
-
+  const int64_t R = sh.R;
   int64_t seen_by_all = len;
   scratch.seen.resize(R);
   int64_t* seen = scratch.seen.data();
@@ -531,6 +513,35 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
     m[r] = seen[r] > 0 ? mx : kNegInf;
   }
   sum_rows(s, R, len, l);
+  return seen_by_all;
+}
+
+constexpr int64_t kWeighKeys = 32;  // keys per step of the keys-as-lanes weighing (one prefetch share each)
+
+// attend_chunk with keys as lanes (steps of at most sh.key_rows rows): the same outputs, bit for bit.
+template <typename scalar_t>
+void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, const scalar_t* vc, int64_t c0,
+                          int64_t len, const scalar_t* next_k, int64_t next_len, Scratch& scratch, float* o,
+                          float* m, float* l) {
+  const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+  if (static_cast<int64_t>(scratch.keys_t.size()) < D * kKeyStride) scratch.keys_t.assign(D * kKeyStride, 0.0f);
+  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
+  float* s = scratch.scores.data();  // [R][kChunk]
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const char* values = reinterpret_cast<const char*>(vc);
+  const char* next_keys = reinterpret_cast<const char*>(next_k);
+  // The scoring asks for this chunk's values; the next chunk's keys are asked for while the values are weighed
+  // (below), so memory is kept busy through both phases instead of taking both requests during the scoring.
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!score_fused(qt, rp, kc, len, D, R, s, values, len * row_bytes, nullptr, 0))
+#endif
+  {
+    transpose_keys(kc, len, D, scratch.keys_t.data(), values, len * row_bytes, nullptr, 0);
+    score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, len);
+  }
+
+  const int64_t seen_by_all = softmax_by_keys(sh, s, c0, len, scratch, m, l);
+  const int64_t* seen = scratch.seen.data();
   const float* v = as_floats(vc, len * D, scratch.values);
   std::fill(o, o + R * D, 0.0f);
   // Keys in steps, each with its share of the next chunk's keys asked for (all at once when no key is seen by
@@ -947,29 +958,51 @@ struct Int8Keys {
   const char* code_bytes(int64_t key) const { return reinterpret_cast<const char*>(codes + key * D); }
 };
 
-constexpr int64_t kInt8Block = 32;  // keys dequantised at a time on the rows path: 8 KiB of floats, in L1
+constexpr int64_t kInt8Block = 32;  // keys dequantised at a time: 8 KiB of floats, in L1
 
-// attend_chunk's rows path over int8 keys and values, dequantised kInt8Block keys at a time into a buffer that
-// stays in L1 (a whole chunk's 128 KiB of floats did not: writing and reading it back cost about as much as
-// the scores). Each (key, row) score is the same madd chain, the softmax is the chunk's, and each (row,
-// column) output chain takes the keys in order, block after block (weigh resumes from o), so the bits are
-// attend_chunk's over the chunk dequantised whole.
-void attend_chunk_int8_rows(const Shape& sh, const float* qt, const Int8Keys& kq, const Int8Keys& vq, int64_t c0,
-                            int64_t len, Scratch& scratch, float* o, float* m, float* l) {
+// Scores of n keys (floats [n][D]) for the keys-as-lanes layout, into s[r][kChunk] from s: attend_chunk_by_keys's
+// scoring (fused where this build has it), asking for `bytes` of `values` along the way.
+inline void score_keys_block(const float* qt, int64_t rp, const float* k, int64_t n, int64_t D, int64_t R, float* s,
+                             const char* values, int64_t bytes, Scratch& scratch) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (score_fused(qt, rp, k, n, D, R, s, values, bytes, nullptr, 0)) return;
+#endif
+  transpose_keys(k, n, D, scratch.keys_t.data(), values, bytes, nullptr, 0);
+  score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, n);
+}
+
+// attend_chunk over int8 keys and values, dequantised kInt8Block keys at a time into a buffer that stays in L1
+// (a whole chunk's 128 KiB of floats did not: writing and reading it back cost about as much as the scores).
+// Either lane layout, as attend_chunk picks: each (key, row) score is the same madd chain, the softmax is the
+// chunk's, and each (row, column) output chain takes the keys in order, block after block (weigh resumes from
+// o), so the bits are attend_chunk's over the chunk dequantised whole.
+void attend_chunk_int8(const Shape& sh, const float* qt, const Int8Keys& kq, const Int8Keys& vq, int64_t c0,
+                       int64_t len, Scratch& scratch, float* o, float* m, float* l) {
   const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+  const bool by_keys = R <= sh.key_rows;
   if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
   if (static_cast<int64_t>(scratch.dequantized.size()) < kInt8Block * D) scratch.dequantized.resize(kInt8Block * D);
+  if (by_keys && static_cast<int64_t>(scratch.keys_t.size()) < D * kKeyStride)
+    scratch.keys_t.assign(D * kKeyStride, 0.0f);
   float* s = scratch.scores.data();
   float* block = scratch.dequantized.data();
+  const int64_t pk = by_keys ? 1 : rp, pr = by_keys ? kChunk : 1;  // p[j][r] at s[j * pk + r * pr]
   const int64_t coded = std::clamp<int64_t>(kq.n_codes - c0, 0, len);  // this chunk's keys held as codes
   for (int64_t j0 = 0; j0 < len; j0 += kInt8Block) {
     const int64_t n = std::min(kInt8Block, len - j0);
     kq.floats(c0 + j0, n, block);
     // the same keys' value codes come in while these are scored
     const int64_t vn = std::clamp<int64_t>(coded - j0, 0, n);
-    score(qt, block, s + j0 * rp, D, rp, n, vn > 0 ? vq.code_bytes(c0 + j0) : nullptr, vn > 0 ? D : 0);
+    const char* values = vn > 0 ? vq.code_bytes(c0 + j0) : nullptr;
+    if (by_keys) {
+      score_keys_block(qt, rp, block, n, D, R, s + j0, values, vn * D, scratch);
+    } else {
+      score(qt, block, s + j0 * rp, D, rp, n, values, vn > 0 ? D : 0);
+    }
   }
-  const int64_t seen_by_all = softmax_by_rows(sh, s, c0, len, static_cast<const float*>(nullptr), 0, scratch, m, l);
+  const int64_t seen_by_all = by_keys ? softmax_by_keys(sh, s, c0, len, scratch, m, l)
+                                      : softmax_by_rows(sh, s, c0, len, static_cast<const float*>(nullptr), 0,
+                                                        scratch, m, l);
   const int64_t* seen = scratch.seen.data();
   int64_t last = seen_by_all;  // keys any row sees
   for (int64_t r = 0; r < R; ++r) last = std::max(last, seen[r]);
@@ -977,18 +1010,18 @@ void attend_chunk_int8_rows(const Shape& sh, const float* qt, const Int8Keys& kq
   for (int64_t j0 = 0; j0 < last; j0 += kInt8Block) {
     const int64_t j1 = std::min(last, j0 + kInt8Block);
     vq.floats(c0 + j0, j1 - j0, block);
-    const float* p = s + j0 * rp;  // weigh reads p[j * rp + r] for keys j from j0
-    if (seen_by_all > j0) weigh(p, rp, 1, block, D, 0, R, 0, std::min(j1, seen_by_all) - j0, o);
+    const float* p = s + j0 * pk;  // weigh reads p[j * pk + r * pr] for keys j from j0
+    if (seen_by_all > j0) weigh(p, pk, pr, block, D, 0, R, 0, std::min(j1, seen_by_all) - j0, o);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t from = std::max(j0, seen_by_all), to = std::min(j1, seen[r]);
-      if (to > from) weigh(p, rp, 1, block, D, r, r + 1, from - j0, to - j0, o);
+      if (to > from) weigh(p, pk, pr, block, D, r, r + 1, from - j0, to - j0, o);
     }
   }
 }
 
 // attend over int8 codes plus a float tail (a quantised draft view): each chunk's keys and values are
-// dequantised into this thread's scratch (in cache) and take the float path, so what streams from memory
-// is the codes, a quarter of fp32's bytes.
+// dequantised a block at a time into this thread's scratch (in L1) and computed as the float path computes
+// them (attend_chunk_int8), so what streams from memory is the codes, a quarter of fp32's bytes.
 void run_int8(const Shape& sh, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& ks,
               const at::Tensor& vc, const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale,
               at::Tensor& out) {
@@ -1012,16 +1045,7 @@ void run_int8(const Shape& sh, const at::Tensor& q, const at::Tensor& kc, const 
                         kt.data_ptr<float>() + head_of(kt, h), N, D};
     const Int8Keys values{vc.data_ptr<int8_t>() + head_of(vc, h), vs.data_ptr<float>() + head_of(vs, h),
                           vt.data_ptr<float>() + head_of(vt, h), N, D};
-    if (R > sh.key_rows) {
-      attend_chunk_int8_rows(sh, qt.data() + h * D * rp, keys, values, c0, len, scratch, o, m, l);
-      return;
-    }
-    if (static_cast<int64_t>(scratch.dequantized.size()) < 2 * kChunk * D) scratch.dequantized.resize(2 * kChunk * D);
-    float* kf = scratch.dequantized.data();
-    float* vf = kf + kChunk * D;
-    keys.floats(c0, len, kf);
-    values.floats(c0, len, vf);
-    attend_chunk<float>(sh, qt.data() + h * D * rp, kf, vf, c0, len, nullptr, 0, scratch, o, m, l);
+    attend_chunk_int8(sh, qt.data() + h * D * rp, keys, values, c0, len, scratch, o, m, l);
   });
 }
 
