@@ -147,7 +147,18 @@ def is_step(x: torch.Tensor) -> bool:
 def _kernel_fits(q: torch.Tensor, t: int) -> bool:
     """A step the C++ kernels take: at most KERNEL_MAX_TOKENS new tokens, and ``kernels.step_fits`` (CPU,
     fp32/bf16, no autograd, built)."""
-    return t <= KERNEL_MAX_TOKENS and kernels.step_fits(q)
+    return t <= KERNEL_MAX_TOKENS and _step_fits(q)
+
+
+# kernels.step_fits for the tensors of the forward under way, asked once by run_layers when autograd is off:
+# every tensor of such a forward shares its input's device, dtype and (absent) autograd, and asking per call
+# (~10 per layer, each reading the environment for SPARSEDRAFT_KERNELS) cost ~3% of a draft step. None: ask.
+_STEP_FITS: contextvars.ContextVar[bool | None] = contextvars.ContextVar("sparsedraft_step_fits", default=None)
+
+
+def _step_fits(x: torch.Tensor) -> bool:
+    decided = _STEP_FITS.get()
+    return kernels.step_fits(x) if decided is None else decided
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | tuple[int, int] | None,
@@ -258,7 +269,7 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return layer(x)
     rows = x.numel() // x.shape[-1]
     step = kernels.MAX_LINEAR_ROWS
-    if rows <= step and kernels.linear_fits(x, weight):
+    if rows <= step and kernels.weight_fits(x, weight) and _step_fits(x):
         return kernels.linear(x, weight, bias, scale)
     if (step < rows <= EXACT_ROWS and x.dim() == 3 and x.shape[1] <= KERNEL_MAX_TOKENS
             and kernels.linear_fits(x[:1, :1], weight)):  # a batch of steps; prefill chunks keep GEMMs
@@ -344,10 +355,14 @@ def run_layers(layers: nn.ModuleList, rotary: Rotary, x: torch.Tensor, positions
     angles = rotary.angles(cache.begin(positions), x.dtype)
     lower = capture.hidden_layers if capture is not None and capture.hidden else ()
     kept = []
-    for i, block in enumerate(layers):
-        x = block(x, angles, cache, capture)
-        if i in lower:
-            kept.append(x.detach())
+    decided = _STEP_FITS.set(None if torch.is_grad_enabled() else kernels.step_fits(x))
+    try:
+        for i, block in enumerate(layers):
+            x = block(x, angles, cache, capture)
+            if i in lower:
+                kept.append(x.detach())
+    finally:
+        _STEP_FITS.reset(decided)
     if capture is not None and capture.hidden:
         capture.features = torch.cat(kept + [x.detach()], -1) if kept else x.detach()
     _BIAS.clear()  # a converted mask (up to T x S floats) is not kept past its forward

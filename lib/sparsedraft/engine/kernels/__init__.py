@@ -396,6 +396,12 @@ def step_fits(x: torch.Tensor) -> bool:
 def linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes this step: CPU, fp32/bf16 rows, a contiguous weight of their dtype or int8
     codes, no autograd, few rows, built."""
+    return weight_fits(x, weight) and step_fits(x)
+
+
+def weight_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """:func:`linear_fits` less what :func:`step_fits` asks of ``x``: the weight's dtype, layout and autograd,
+    and few rows (for a caller that has asked step_fits once for a whole forward)."""
     return (weight.dtype in (x.dtype, torch.int8) and weight.is_contiguous()
             and x.numel() <= MAX_LINEAR_ROWS * x.shape[-1]
-            and not (torch.is_grad_enabled() and weight.requires_grad) and step_fits(x))
+            and not (torch.is_grad_enabled() and weight.requires_grad))
