@@ -114,8 +114,8 @@ class QuantizedRetrievalCache(RetrievalCache):
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[Int8Slots | torch.Tensor,
                                                                              Int8Slots | torch.Tensor,
                                                                              torch.Tensor | Causal | None]:
-        _, _, mask = super().attend(layer, k, v)  # writes the new tokens into the speculative region
-        stop = self.budget + self.spec + self._new
+        stop = self._write_new(layer, k, v)
+        mask = self._mask
         pairs = ((self.qk[layer], self.k[layer], self.work_k), (self.qv[layer], self.v[layer], self.work_v))
         if self.draft_kv == "int8":  # the attention reads the codes where its kernel can (model.attention)
             keys, values = (Int8Slots(store.q, store.scale[..., 0, 0], own[:, :, self.budget:stop],

@@ -250,11 +250,16 @@ class RetrievalCache(KVCache):
 
     def attend(self, layer: int, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | Causal | None]:
+        stop = self._write_new(layer, k, v)
+        return self.k[layer][:, :, :stop], self.v[layer][:, :, :stop], self._mask
+
+    def _write_new(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """This step's keys and values into the speculative region; returns the end of what the step sees."""
         start = self.budget + self.spec
         stop = start + self._new
         self.k[layer][:, :, start:stop] = k
         self.v[layer][:, :, start:stop] = v
-        return self.k[layer][:, :, :stop], self.v[layer][:, :, :stop], self._mask
+        return stop
 
     def end(self) -> None:
         self.spec += self._new
