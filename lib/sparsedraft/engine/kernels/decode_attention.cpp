@@ -42,6 +42,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "prefetch.h"
 #include "tiles.h"
 
 namespace {
@@ -210,8 +211,7 @@ void score_rows(const float* qt, const float* k, float* s, int64_t D, int64_t rp
   int64_t j = 0;
   for (; j + KB <= len; j += KB) {
     if (next != nullptr)
-      for (int64_t b = j * next_bytes_per_key; b < (j + KB) * next_bytes_per_key; b += 64)
-        __builtin_prefetch(next + b, 0, 2);
+      for (int64_t b = j * next_bytes_per_key; b < (j + KB) * next_bytes_per_key; b += 64) prefetch_l2(next + b);
     score_keys<KB, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
   }
   for (; j < len; ++j) score_keys<1, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
@@ -301,7 +301,7 @@ inline float to_float(at::BFloat16 x) {
 
 // Prefetch the part [from, to) of a byte range (64-byte lines) into L2.
 inline void prefetch_span(const char* base, int64_t from, int64_t to) {
-  for (int64_t b = from / 64 * 64; b < to; b += 64) __builtin_prefetch(base + b, 0, 2);
+  for (int64_t b = from / 64 * 64; b < to; b += 64) prefetch_l2(base + b);
 }
 
 // While keys [j0, j1) of a chunk of len are worked on, the same share of this chunk's values (used once the
@@ -586,8 +586,7 @@ int64_t softmax_by_rows(const Shape& sh, float* s, int64_t c0, int64_t len, cons
     for (int64_t jj = 0; jj < len; ++jj) {
       if (v0 == 0 && jj < next_len) {  // the next chunk's keys come in while no load waits on memory
         const char* key = reinterpret_cast<const char*>(next_k + jj * D);
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(scalar_t)); b += 64)
-          __builtin_prefetch(key + b, 0, 2);  // into L2: more misses in flight than L1's fill buffers allow
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(scalar_t)); b += 64) prefetch_l2(key + b);
       }
       float* sj = s + jj * rp + v0;
       exp2_lanes(sj, mx);
