@@ -88,3 +88,24 @@ def test_prefill_chunks_and_training_keep_torch(built, monkeypatch):
     model(tokens[:, :5]).sum().backward()  # autograd: torch's ops, which it can differentiate
     assert seen == [] and model.layers[0].input_layernorm.weight.grad is not None
 
+
+
+def test_a_forward_without_autograd_asks_whether_it_is_a_step_once(built, monkeypatch):
+    """run_layers asks kernels.step_fits once for all of its layers (each ask read the environment, ~3% of a
+    draft step); with autograd on, every call asks again, so trainable layers still take torch."""
+    model = load_model("tiny-llama")
+    asked = []
+    real = kernels.step_fits
+    monkeypatch.setattr(kernels, "step_fits", lambda x: asked.append(1) or real(x))
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        cache = model.new_cache(32)
+        model(tokens[:, :17], cache=cache)
+        asked.clear()
+        seen = _calls(monkeypatch)
+        model(tokens[:, 17:], cache=cache)  # a 3-token step through every layer
+    assert {"rms_norm", "rope"} <= set(seen)
+    assert len(asked) <= 3, f"{len(asked)} asks for one step"  # run_layers, then the final norm and the head
+    asked.clear()
+    model(tokens[:, 17:])  # autograd on: each norm, matmul and attention call asks
+    assert len(asked) > 3 * model.cfg.num_layers
