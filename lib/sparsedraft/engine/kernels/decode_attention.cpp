@@ -516,6 +516,19 @@ inline int64_t softmax_by_keys(const Shape& sh, float* s, int64_t c0, int64_t le
   return seen_by_all;
 }
 
+// Scores of keys k[0 .. n) (rows of D) for the keys-as-lanes layout, into s[r][kChunk] from s: fused in
+// registers where this build and R allow, else through the transposed copy; `bytes` of `values` are asked for
+// along the way.
+template <typename scalar_t>
+void score_keys_block(const float* qt, int64_t rp, const scalar_t* k, int64_t n, int64_t D, int64_t R, float* s,
+                      const char* values, int64_t bytes, Scratch& scratch) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (score_fused(qt, rp, k, n, D, R, s, values, bytes, nullptr, 0)) return;
+#endif
+  transpose_keys(k, n, D, scratch.keys_t.data(), values, bytes, nullptr, 0);
+  score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, n);
+}
+
 constexpr int64_t kWeighKeys = 32;  // keys per step of the keys-as-lanes weighing (one prefetch share each)
 
 // attend_chunk with keys as lanes (steps of at most sh.key_rows rows): the same outputs, bit for bit.
@@ -532,13 +545,7 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
   const char* next_keys = reinterpret_cast<const char*>(next_k);
   // The scoring asks for this chunk's values; the next chunk's keys are asked for while the values are weighed
   // (below), so memory is kept busy through both phases instead of taking both requests during the scoring.
-#if defined(__AVX2__) && defined(__FMA__)
-  if (!score_fused(qt, rp, kc, len, D, R, s, values, len * row_bytes, nullptr, 0))
-#endif
-  {
-    transpose_keys(kc, len, D, scratch.keys_t.data(), values, len * row_bytes, nullptr, 0);
-    score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, len);
-  }
+  score_keys_block(qt, rp, kc, len, D, R, s, values, len * row_bytes, scratch);
 
   const int64_t seen_by_all = softmax_by_keys(sh, s, c0, len, scratch, m, l);
   const int64_t* seen = scratch.seen.data();
@@ -958,17 +965,6 @@ struct Int8Keys {
 };
 
 constexpr int64_t kInt8Block = 32;  // keys dequantised at a time: 8 KiB of floats, in L1
-
-// Scores of n keys (floats [n][D]) for the keys-as-lanes layout, into s[r][kChunk] from s: attend_chunk_by_keys's
-// scoring (fused where this build has it), asking for `bytes` of `values` along the way.
-inline void score_keys_block(const float* qt, int64_t rp, const float* k, int64_t n, int64_t D, int64_t R, float* s,
-                             const char* values, int64_t bytes, Scratch& scratch) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (score_fused(qt, rp, k, n, D, R, s, values, bytes, nullptr, 0)) return;
-#endif
-  transpose_keys(k, n, D, scratch.keys_t.data(), values, bytes, nullptr, 0);
-  score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, n);
-}
 
 // attend_chunk over int8 keys and values, dequantised kInt8Block keys at a time into a buffer that stays in L1
 // (a whole chunk's 128 KiB of floats did not: writing and reading it back cost about as much as the scores).
