@@ -106,3 +106,14 @@ def test_training_forward_backpropagates_without_a_cache():
     loss = torch.nn.functional.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_cache_says_how_many_layers_it_holds():
+    """What a drafter checks a model's depth against: one buffer per layer, or none for a view of any depth."""
+    from sparsedraft.caches import StreamingCache
+    from sparsedraft.engine.cache import SequenceView
+
+    model = tiny_model("llama")
+    assert model.new_cache(8).num_layers == model.cfg.num_layers
+    assert StreamingCache(model.cfg.replace(num_layers=2), 4, 4, spec_slots=2).num_layers == 2
+    assert SequenceView(None).num_layers is None

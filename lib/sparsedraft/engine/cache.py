@@ -66,9 +66,16 @@ def in_order(positions: torch.Tensor, stored: torch.Tensor) -> bool:
 
 
 class KVCache:
-    """Interface and shared bookkeeping; subclasses own the buffers."""
+    """Interface and shared bookkeeping; subclasses own the buffers (``k``, ``v``: one tensor per layer)."""
 
     keys_prerope = False  # True: the model hands keys unrotated and the cache rotates them
+
+    @property
+    def num_layers(self) -> int | None:
+        """The layers this cache holds buffers for, or None for one that holds none per layer (a view that
+        serves a forward of any depth). What a caller checks a model's depth against before the first step."""
+        k = getattr(self, "k", None)
+        return len(k) if isinstance(k, list) else None
 
     def begin(self, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

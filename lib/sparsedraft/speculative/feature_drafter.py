@@ -46,9 +46,9 @@ class FeatureDrafter(Drafter):
     def __init__(self, head: FeatureHead, cache: KVCache):
         require(not isinstance(cache, RetrievalCache),
                 "a feature head fills its own cache; a RetrievalCache is built from the target's full cache")
-        layers = len(cache.k) if isinstance(getattr(cache, "k", None), list) else head.depth  # a buffer per layer
-        require(layers == head.depth, lambda: f"a cache of {layers} layers cannot serve a feature head of "
-                                              f"{head.depth}: size it with the head's own config, head.cfg")
+        require(cache.num_layers in (None, head.depth),
+                lambda: f"a cache of {cache.num_layers} layers cannot serve a feature head of {head.depth}: size it "
+                        "with the head's own config, head.cfg")
         self.head, self.cache = head, cache
         self.vocab_size = head.cfg.vocab_size
         self.feature_layers = head.fuse_layers  # the target captures these layers' outputs before the top's
