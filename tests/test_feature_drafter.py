@@ -133,7 +133,11 @@ def exact_law(target, sampling: SamplingConfig) -> tuple[dict, dict]:
     return one, two
 
 
-def pvalues(sampling: SamplingConfig, acceptance, samples: int = SAMPLES) -> tuple[float, float]:
+def pvalues(sampling: SamplingConfig, acceptance, samples: int = SAMPLES, gamma: int = 2, confidence: float = 0.0,
+            lengths: Counter | None = None) -> tuple[float, float]:
+    """p-values of the first token's and the first pair's counts over ``samples`` seeded runs of ``gamma`` + 1
+    tokens; ``confidence`` is the drafter's early stop, and ``lengths`` (when given) counts the proposals'
+    lengths of every run."""
     from sparsedraft.engine.prefill_store import prefill_prompt
     target, head = sampling_pair()
     law_one, law_two = exact_law(target, sampling)
@@ -141,11 +145,14 @@ def pvalues(sampling: SamplingConfig, acceptance, samples: int = SAMPLES) -> tup
     one, two = Counter(), Counter()
     for seed in range(samples):
         cfg = SamplingConfig(sampling.temperature, sampling.top_p, seed=seed)
-        drafter = FeatureDrafter.create(head, "full", PROMPT.shape[1] + 3, gamma=2)
-        out = speculative(target, drafter, PROMPT, 3, 2, cfg, acceptance=acceptance, prefilled=shared)
+        drafter = FeatureDrafter.create(head, "full", PROMPT.shape[1] + gamma + 1, gamma=gamma)
+        drafter.confidence = confidence
+        out = speculative(target, drafter, PROMPT, gamma + 1, gamma, cfg, acceptance=acceptance, prefilled=shared)
         tokens = tuple(out.tokens[0, :2].tolist())
         one[tokens[:1]] += 1
         two[tokens] += 1
+        if lengths is not None:
+            lengths.update({g: sum(n) for g, n in out.stats.levels[-1].rounds.items()})
     return chi_square_pvalue(one, law_one, samples), chi_square_pvalue(two, law_two, samples)
 
 
@@ -154,6 +161,14 @@ def pvalues(sampling: SamplingConfig, acceptance, samples: int = SAMPLES) -> tup
     pytest.param(SamplingConfig(temperature=1.0), id="t1.0", marks=pytest.mark.slow)])
 def test_sampling_with_a_feature_drafter_keeps_the_target_law(sampling):
     first, pair_p = pvalues(sampling, standard_acceptance)
+    assert first > 0.01 and pair_p > 0.01, (first, pair_p)
+
+
+def test_a_drafter_that_stops_on_its_own_confidence_keeps_the_target_law():
+    lengths = Counter()
+    first, pair_p = pvalues(SamplingConfig(temperature=1.0), standard_acceptance, gamma=3, confidence=0.2,
+                            lengths=lengths)
+    assert 0 < lengths[3] < SAMPLES / 2, lengths  # each run's first proposal drafts 3 unless it stopped early
     assert first > 0.01 and pair_p > 0.01, (first, pair_p)
 
 

@@ -9,7 +9,8 @@ import torch
 
 from sparsedraft.__main__ import main
 from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
-from sparsedraft.budgetdraft.feature_eval import accepted_per_round, agreement_summary, by_confidence, chain_conditionals
+from sparsedraft.budgetdraft.feature_eval import (accepted_per_round, agreement_summary, by_confidence, chain_conditionals,
+                                                 stopped_rounds)
 from sparsedraft.budgetdraft.feature_loss import TokenHead, token_ce, unroll
 from sparsedraft.budgetdraft import feature_train
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
@@ -257,6 +258,15 @@ def test_greedy_rounds_skip_past_the_bonus_token():
     hits = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
     assert accepted_per_round(hits, 3) == [2, 1, 3]  # rows 0, 3 (0 + 2 + 1), 5 (3 + 1 + 1)
     assert accepted_per_round(hits, 1) == [1, 0, 1, 1]  # rows 0, 2, 3, 5
+
+
+def test_a_round_stops_after_its_first_unsure_draft():
+    hits = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 1, 1], [0, 1, 1]], dtype=torch.bool)
+    sure = torch.tensor([[1, 0, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+    # row 0 drafts 2 (its second is unsure) and keeps both; row 3 drafts 3 and keeps them all
+    assert stopped_rounds(hits, 3, sure) == [(2, 2), (3, 3)]
+    assert stopped_rounds(hits, 3) == [(3, 2), (3, 3)]  # no stop: every round drafts gamma
+    assert stopped_rounds(hits, 3, torch.zeros_like(sure)) == [(1, 1), (1, 1), (1, 0)]  # rows 0, 2, 4
 
 
 def test_chain_conditionals_count_only_rounds_whose_earlier_drafts_all_held():

@@ -222,12 +222,18 @@ class Prediction:
         return self.vanilla_ms / self.ms_per_token
 
 
-def predict_two_level(draft_ms: float, target_ms: float, gamma: int, alpha: float,
+def predict_two_level(draft_ms: float, target_ms: float, gamma: int | Mapping[int, int], alpha: float,
                       overhead_ms: float = 0.0) -> Prediction:
-    """Standard speculative decoding: γ draft forwards + one target verify per iteration."""
-    require(gamma >= 1, f"gamma must be >= 1 drafts, got {gamma}")
+    """Standard speculative decoding: γ draft forwards + one target verify per iteration. ``gamma`` may be a mix
+    {draft length: rounds} instead (a drafter that stops early on its own confidence): the iteration's drafts
+    and tokens are then the mix's means, each length's tokens under i.i.d. acceptance at ``alpha``."""
+    mix = {gamma: 1} if isinstance(gamma, int) else {int(g): int(n) for g, n in gamma.items() if n}
+    require(mix and min(mix) >= 1, f"gamma must be >= 1 drafts (or a mix of such lengths), got {gamma}")
     require(overhead_ms >= 0, f"overhead_ms must be >= 0, got {overhead_ms}")
-    return Prediction(gamma * draft_ms + target_ms + overhead_ms, expected_tokens_per_verify(alpha, gamma), target_ms)
+    rounds = sum(mix.values())
+    drafts = sum(g * n for g, n in mix.items()) / rounds
+    tokens = sum(expected_tokens_per_verify(alpha, g) * n for g, n in mix.items()) / rounds
+    return Prediction(drafts * draft_ms + target_ms + overhead_ms, tokens, target_ms)
 
 
 def _emitted(alpha: float, drafts: int) -> dict[int, float]:
@@ -317,7 +323,8 @@ def predicted_speedup(options: Mapping[str, Any], seconds: Mapping[str, float], 
     costs (timed regions / forward counts, as :func:`measured_level_costs`), its per-iteration overhead (decode
     time outside those forwards), and α per level fitted from its rounds (:func:`~.acceptance.fit_alpha`),
     under the rule this library runs (``overshoot=False``); as a speedup over ``baseline_ms_per_token``.
-    ``options`` gives γ (``gamma``, or ``gamma1``/``gamma2`` for three levels). None for a run without drafts
+    ``options`` gives γ (``gamma``, or ``gamma1``/``gamma2`` for three levels; with ``draft_confidence`` the
+    rounds' own draft lengths, as the drafter stopped them). None for a run without drafts
     (plain decoding, or a level that drafted nothing): there is no α to fit. Beside the measured speedup it
     says whether the run did what its parts imply; a gap is time the model does not see."""
     if not drafted.get(TARGET) or not verifications.get(TARGET):
@@ -333,8 +340,10 @@ def predicted_speedup(options: Mapping[str, Any], seconds: Mapping[str, float], 
         forwards = verifications[TARGET]
         draft_s, verify_s = seconds.get(DRAFT, 0.0), seconds[VERIFY]
         overhead = max(0.0, 1000 * (decode_s - draft_s - verify_s) / forwards)
-        prediction = predict_two_level(1000 * draft_s / drafted[TARGET], 1000 * verify_s / forwards,
-                                       int(options["gamma"]), fit_alpha(rounds[TARGET]), overhead_ms=overhead)
+        stops = bool(options.get("draft_confidence"))  # proposals end early: the run's own mix of lengths
+        gamma = {int(g): len(r) for g, r in rounds[TARGET].items() if int(g)} if stops else int(options["gamma"])
+        prediction = predict_two_level(1000 * draft_s / drafted[TARGET], 1000 * verify_s / forwards, gamma,
+                                       fit_alpha(rounds[TARGET]), overhead_ms=overhead)
     return baseline_ms_per_token / prediction.ms_per_token
 
 

@@ -4,7 +4,8 @@ The training run measures it once, at its end (``budgetdraft.feature_eval.final_
 measures any drafter folder the same way, on the same cached positions: the target's own greedy
 continuations of held-out prompts (what a greedy speculative decoder's first draft faces). It prints and
 records the first draft's agreement, the drafts kept per round that those continuations imply at each gamma
-(and how often draft j is kept once drafts 1..j-1 were, which says where rounds stop),
+(and how often draft j is kept once drafts 1..j-1 were, which says where rounds stop), the same for a
+drafter that stops on its own confidence (``draft_confidence``: drafts and kept drafts per round),
 that agreement split by the target's own top-1 probability at each position (how much of the gap is the
 target's uncertainty), and, given ``--slice``, the slice drafter's first draft on the same positions.
 
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  draft {j} kept{after}: {rate} of {link['reached']} rounds")
     for gamma, row in report["gamma"].items():
         print(f"  gamma {gamma}: {row['accepted_per_round']:.2f} drafts kept per round")
+    for at, by_gamma in report["stop"].items():
+        cells = ", ".join(f"gamma {g} {row['accepted_per_round']:.2f} of {row['drafted_per_round']:.2f}"
+                          for g, row in by_gamma.items())
+        print(f"  stopping after a draft less sure than {at}: drafts kept of drafted per round: {cells}")
     if "slice_first_draft" in report:
         print(f"slice drafter {args.slice}: first draft {report['slice_first_draft']['first_draft']:.1%}")
     finish_module(args.record, 'agreement', argv, result, started)

@@ -371,7 +371,7 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
 def _predicted(row: MethodRow, opts: Any, baseline_ms: float) -> float | None:
     if opts is None:
         return None
-    gammas = {k: getattr(opts, k) for k in ("gamma", "gamma1", "gamma2") if hasattr(opts, k)}
+    gammas = {k: getattr(opts, k) for k in ("gamma", "gamma1", "gamma2", "draft_confidence") if hasattr(opts, k)}
     return predicted_speedup(gammas, row.seconds, row.drafted, row.verifications, row.rounds, row.decode_s,
                              baseline_ms)
 

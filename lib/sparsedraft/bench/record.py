@@ -135,9 +135,9 @@ def _acceptance(row: dict[str, Any]) -> str:
 
 # Options a results table shows beside the method's name, when the method has them.
 SHOWN_OPTIONS = ("draft", "draft_cache", "budget", "gamma", "gamma1", "gamma2", "group_reduce", "draft_vocab",
-                 "draft_weights", "draft_kv")
-USUAL = {"group_reduce": "sum", "draft_vocab": 0, "draft_weights": "same",
-         "draft_kv": "same"}  # values not worth a word: defaults
+                 "draft_weights", "draft_kv", "draft_confidence")
+USUAL = {"group_reduce": "sum", "draft_vocab": 0, "draft_weights": "same", "draft_kv": "same",
+         "draft_confidence": 0.0}  # values not worth a word: defaults
 
 
 def _shown(key: str, options: dict[str, Any]) -> bool:

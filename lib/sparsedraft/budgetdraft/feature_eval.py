@@ -19,7 +19,11 @@
     :func:`~.feature_loss.unroll` (its chains are decoding's rounds), so the
     figure is the speculative decoder's, without running it. ``chain``
     says where rounds stop (:func:`chain_conditionals`): how often draft j
-    equals the target's token once drafts 1..j-1 all did.
+    equals the target's token once drafts 1..j-1 all did. ``stop`` runs the
+    same rounds for a drafter that ends a proposal after a draft less sure
+    than each of :data:`STOP_AT` (``draft_confidence``): drafts and accepted
+    drafts per round, so the rows a verification saves show beside what
+    they cost in accepted tokens.
 
 Every measure is given for the full head and, when a draft vocabulary is
 passed, for the restricted head over it. The continuation set is cached on
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
     from .feature_config import FeatureTrainConfig
 
 GAMMAS = (2, 3, 4, 5, 6)
+STOP_AT = (0.3, 0.4, 0.5, 0.6, 0.7)  # drafter confidences (draft_confidence) whose early stops (c) simulates
 # Buckets of the target's own top-1 probability at a scored position (continuation_report's by_target_confidence)
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
@@ -135,11 +140,21 @@ def accepted_per_round(matches: torch.Tensor, gamma: int) -> list[int]:
     """Greedy rounds over ``matches`` [starts, >= gamma] bool (row r: the round whose drafting starts at the r-th
     entry, column j: its draft j equals the target's token): accepted drafts of each round, in order; a round
     that accepts a drafts is followed by the target's own token, so the next starts a + 1 rows later."""
+    return [accepted for _, accepted in stopped_rounds(matches, gamma)]
+
+
+def stopped_rounds(matches: torch.Tensor, gamma: int, sure: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """(drafted, accepted) of each round of :func:`accepted_per_round`; with ``sure`` [starts, >= gamma] bool
+    (draft j's own top-1 probability reached the drafter's ``confidence``), a round ends after its first draft
+    that is not sure, as :func:`~sparsedraft.speculative.drafters.sure` makes a drafter stop."""
     out, row = [], 0
     while row < matches.shape[0]:
-        hits = matches[row, :gamma]
-        accepted = int(hits.long().cumprod(0).sum())
-        out.append(accepted)
+        drafted = gamma
+        if sure is not None:
+            unsure = (~sure[row, :gamma]).nonzero()
+            drafted = int(unsure[0]) + 1 if unsure.numel() else gamma
+        accepted = int(matches[row, :drafted].long().cumprod(0).sum())
+        out.append((drafted, accepted))
         row += accepted + 1
     return out
 
@@ -170,6 +185,7 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
     confidence = []  # the target's top-1 probability of each position first[""] scores
     chains = []  # the full head's matches of every round start, for chain_conditionals
     rounds: dict[str, dict[int, list[int]]] = {k: {g: [] for g in gammas} for k in heads}
+    stops = {k: {at: {g: [] for g in gammas} for at in STOP_AT} for k in heads}  # (drafted, accepted) per round
     length = data.prompt_len
     for row in range(data.tokens.shape[0]):
         tokens = data.tokens[row:row + 1].to(device)
@@ -183,8 +199,11 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
             first[name].append((drafts == tokens[:, length + 1:]).float().flatten())
             steps = [outs[0][:, starts]] + outs[1:]  # draft j of the round starting at each chain start
             chain = torch.stack([tok.predict(steps[j])[0] == tokens[0, starts + j + 2] for j in range(top)], dim=1)
+            surest = torch.stack([tok.logits(steps[j])[0].float().softmax(-1).amax(-1) for j in range(top)], dim=1)
             for g in gammas:
                 rounds[name][g] += accepted_per_round(chain, g)
+                for at in STOP_AT:
+                    stops[name][at][g] += stopped_rounds(chain, g, surest >= at)
             if not name:
                 chains.append(chain)
     report: dict[str, Any] = {"positions": int(sum(x.numel() for x in first[""])), "prompt_len": length,
@@ -196,6 +215,9 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         report[f"first_draft{name}"] = float(torch.cat(first[name]).mean())
         report[f"gamma{name}"] = {g: {"accepted_per_round": sum(r) / len(r), "tokens_per_round": 1 + sum(r) / len(r),
                                       "rounds": len(r)} for g, r in rounds[name].items()}
+        report[f"stop{name}"] = {at: {g: {"drafted_per_round": sum(d for d, _ in r) / len(r),
+                                          "accepted_per_round": sum(a for _, a in r) / len(r), "rounds": len(r)}
+                                      for g, r in by_gamma.items()} for at, by_gamma in stops[name].items()}
     return report
 
 

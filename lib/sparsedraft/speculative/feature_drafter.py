@@ -32,7 +32,7 @@ from ..engine.prefill import prefill
 from ..engine.sampling import probabilities
 from ..errors import require
 from .budget import budget_prefill
-from .drafters import DraftContext, Drafter, Proposal, TargetState, draw, proposal_of
+from .drafters import DraftContext, Drafter, Proposal, TargetState, draw, proposal_of, sure
 from .feature import Entries, FeatureHead
 
 FEATURE_CACHES = ("full", "streaming", "budget")
@@ -120,7 +120,8 @@ class FeatureDrafter(Drafter):
                             torch.arange(start, n - 1, device=device), self.cache)
             self.cached = n - 1
             predicted = out[0, -1]  # the feature of tokens[n - 1]
-            q = probabilities(self.head.logits(predicted), self.ctx.sampling)
+            logits = self.head.logits(predicted)
+            q = probabilities(logits, self.ctx.sampling)
             token = draw(q, self.ctx)
             self._grow(n)
             self.feats[n - 1] = predicted
@@ -128,7 +129,9 @@ class FeatureDrafter(Drafter):
             self.tokens.append(token)
             tokens.append(token)
             qs.append(q)
-        self.proposed = gamma
+            if not sure(logits, self.confidence):
+                break
+        self.proposed = len(tokens)
         return proposal_of(tokens, qs, self.vocab_size, self.head.device)
 
     def observe(self, target: TargetState | None) -> None:

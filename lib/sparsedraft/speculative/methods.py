@@ -106,6 +106,15 @@ def _check_draft_vocab(draft: Any, draft_vocab: int) -> None:
             "own: pass a draft model or drop draft_vocab")
 
 
+def _check_draft_confidence(draft: Any, confidence: float) -> None:
+    require(0.0 <= confidence < 1.0, f"draft_confidence is a probability in [0, 1) (0: never stop early), got "
+                                     f"{confidence}")
+    require(not confidence or (draft != "ngram" and not isinstance(draft, Drafter)),
+            f"draft_confidence {confidence} stops a draft model's proposals by its own probabilities; this draft "
+            f"({draft!r}) has none: pass a draft model or drop draft_confidence (a Drafter object takes it as "
+            "its .confidence)")
+
+
 def _check_draft_vocab_size(draft_vocab: int, cfg: ModelConfig) -> None:
     require(draft_vocab < cfg.vocab_size, f"draft_vocab ({draft_vocab}) must be smaller than the model's vocabulary "
                                           f"({cfg.vocab_size}); 0 keeps the full head")
@@ -124,6 +133,10 @@ DRAFT_WEIGHTS_HELP = ("weights of a draft level that is the target itself: same 
 
 CHUNK_SCORING_HELP = ("how a budget draft cache ranks chunks: attention (observation window, per layer), keys (mean "
                       "key vs last key, per KV head); empty: the drafter's training rule")
+
+DRAFT_CONFIDENCE_HELP = ("end a proposal after a draft whose own top-1 probability is below this (the drafter's "
+                         "confidence; fewer verification rows the target would reject; still lossless); 0: always "
+                         "gamma drafts")
 
 DRAFT_VOCAB_HELP = ("score only the N tokens most frequent in the essays' train split in the draft's head (q = 0 "
                     "elsewhere: still lossless, a cheaper draft step); 0: the full head")
@@ -179,10 +192,12 @@ class SpecOptions(StreamingDraftOptions):
     draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
     chunk_scoring: str = field(default="", metadata={"help": CHUNK_SCORING_HELP, "choices": CHUNK_SCORINGS})
     draft_weights: str = field(default="same", metadata={"help": DRAFT_WEIGHTS_HELP, "choices": DRAFT_WEIGHTS})
+    draft_confidence: float = field(default=0.0, metadata={"help": DRAFT_CONFIDENCE_HELP})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_draft(self.draft)
+        _check_draft_confidence(self.draft, self.draft_confidence)
         check_draft_weights(self.draft_weights)
         require(self.draft_weights == "same" or self.draft == SELF,
                 f"draft_weights {self.draft_weights!r} quantises the target drafting for itself; this draft is "
@@ -225,10 +240,12 @@ class BudgetDraftOptions:
     gamma: int = field(default=4, metadata={"help": "draft tokens per full-target verification"})
     draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
     chunk_scoring: str = field(default="", metadata={"help": CHUNK_SCORING_HELP, "choices": CHUNK_SCORINGS})
+    draft_confidence: float = field(default=0.0, metadata={"help": DRAFT_CONFIDENCE_HELP})
 
     def __post_init__(self) -> None:
         _check_draft(self.draft)
         require(self.draft != "ngram", "budgetdraft needs a draft model, not prompt lookup (ngram)")
+        _check_draft_confidence(self.draft, self.draft_confidence)
         _check_draft_vocab(self.draft, self.draft_vocab)
         _check_chunk_scoring(self.chunk_scoring)
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
@@ -384,6 +401,8 @@ def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sampli
                                                      positions=opts.draft_positions))
     else:
         drafter = ModelDrafter(draft, draft.new_cache(prompt.shape[1] + n))
+    if opts.draft_confidence:  # checked: not a Drafter the caller made
+        drafter.confidence = opts.draft_confidence
     return speculative(target, drafter, prompt, n, opts.gamma, sampling, eos_token_id=eos, prefilled=prefilled)
 
 
@@ -392,7 +411,7 @@ def run_budgetdraft(target: Transformer, prompt: torch.Tensor, n: int, sampling:
     return run_spec(target, prompt, n, sampling,
                     SpecOptions(draft=opts.draft, draft_cache="budget", gamma=opts.gamma, budget=opts.budget,
                                 chunk_size=opts.chunk_size, chunk_scoring=opts.chunk_scoring,
-                                draft_vocab=opts.draft_vocab), eos, prefilled)
+                                draft_vocab=opts.draft_vocab, draft_confidence=opts.draft_confidence), eos, prefilled)
 
 
 def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,

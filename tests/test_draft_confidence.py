@@ -1,0 +1,84 @@
+"""A drafter that ends its proposal on its own confidence (``draft_confidence``).
+
+Greedy output equals plain decoding with the stop on, for a feature head (two
+caches) and a model drafter, and the stop really shortens proposals (fewer
+drafts, rounds below gamma, some still full). Bad values and drafts without a
+model are refused before any forward. The cost model takes such a run's mix of
+draft lengths. The sampling check (the target's law with the stop on) is in
+``test_feature_drafter.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from feature_heads import perturbed_head
+
+from sparsedraft import SparsedraftError, decode
+from sparsedraft.analysis.costmodel import expected_tokens_per_verify, predict_two_level
+from sparsedraft.engine.generate import generate
+from sparsedraft.engine.tiny import tiny_model
+from sparsedraft.speculative.drafters import sure
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW, GAMMA = 24, 5
+
+
+@pytest.fixture(scope="module")
+def race():
+    """A tiny target whose head is sharpened (random weights give near-uniform laws, so no draft would be sure
+    of anything), the feature head that starts as its top block, a prompt and the plain greedy tokens."""
+    target = tiny_model("qwen3", seed=2)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20)
+    head = perturbed_head(target, noise=0.0)[0]
+    prompt = torch.randint(0, target.cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    return target, head, prompt, generate(target, prompt, NEW).tokens
+
+
+def lengths(out) -> dict[int, int]:
+    return {g: sum(n) for g, n in out.stats.levels[-1].rounds.items()}
+
+
+@pytest.mark.parametrize("draft,method,extra", [
+    ("head", "spec", {}),
+    ("head", "budgetdraft", {"budget": 16, "chunk_size": 4}),
+    ("truncated:1", "spec", {}),
+])
+def test_greedy_output_with_a_confidence_stop_equals_plain_decoding(race, draft, method, extra):
+    target, head, prompt, ar = race
+    source = head if draft == "head" else draft
+    always = decode(target, prompt, method, NEW, draft=source, gamma=GAMMA, **extra)
+    stopped = decode(target, prompt, method, NEW, draft=source, gamma=GAMMA, draft_confidence=0.3, **extra)
+    assert torch.equal(always.tokens, ar) and torch.equal(stopped.tokens, ar)
+    short = sum(n for g, n in lengths(stopped).items() if g < GAMMA)
+    assert short >= 2 and lengths(stopped).get(GAMMA, 0) >= 1, lengths(stopped)  # stops, not only the last round
+    assert stopped.stats.levels[-1].drafted < always.stats.levels[-1].drafted
+
+
+def test_sure_reads_the_top_probability_at_temperature_one():
+    logits = torch.tensor([0.6, 0.2, 0.2]).log() + 3.0  # any shift: softmax gives 0.6 back
+    assert sure(logits, 0.0) and sure(logits, 0.55) and not sure(logits, 0.65)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"draft": "truncated:1", "draft_confidence": 1.0}, "in \\[0, 1\\)"),
+    ({"draft": "truncated:1", "draft_confidence": -0.1}, "in \\[0, 1\\)"),
+    ({"draft": "ngram", "draft_confidence": 0.5}, "has none"),
+])
+def test_bad_confidence_is_refused_before_any_forward(race, options, message):
+    target, _, prompt, _ = race
+    with pytest.raises(SparsedraftError, match=message):
+        decode(target, prompt, "spec", NEW, **options)
+
+
+def test_the_cost_model_takes_a_mix_of_draft_lengths():
+    one = predict_two_level(2.0, 40.0, 3, 0.6, overhead_ms=1.0)
+    assert predict_two_level(2.0, 40.0, {3: 7}, 0.6, overhead_ms=1.0) == one
+    mix = predict_two_level(2.0, 40.0, {1: 2, 3: 2}, 0.6)
+    assert mix.ms_per_iteration == pytest.approx(2 * 2.0 + 40.0)
+    assert mix.tokens_per_iteration == pytest.approx((expected_tokens_per_verify(0.6, 1)
+                                                      + expected_tokens_per_verify(0.6, 3)) / 2)
+    with pytest.raises(SparsedraftError, match="gamma must be >= 1"):
+        predict_two_level(2.0, 40.0, {0: 3}, 0.6)
