@@ -4,8 +4,10 @@ Greedy output equals plain decoding with the stop on, for a feature head (two
 caches) and a model drafter, and the stop really shortens proposals (fewer
 drafts, rounds below gamma, some still full). Bad values and drafts without a
 model are refused before any forward. The cost model takes such a run's mix of
-draft lengths. The sampling check (the target's law with the stop on) is in
-``test_feature_drafter.py``.
+draft lengths. In retrieval and TriForce the proposer is the target over its
+retrieval cache, which stops on its own probabilities. The sampling checks
+(the target's law with the stop on) are in ``test_feature_drafter.py`` and
+``test_triforce_sampling.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch
 from feature_heads import perturbed_head
 
 from sparsedraft import SparsedraftError, decode
-from sparsedraft.analysis.costmodel import expected_tokens_per_verify, predict_two_level
+from sparsedraft.analysis import fit_alpha
+from sparsedraft.analysis.costmodel import (expected_tokens_per_verify, predict_two_level, predicted_speedup,
+                                           round_lengths)
 from sparsedraft.engine.generate import generate
 from sparsedraft.engine.tiny import tiny_model
 from sparsedraft.speculative.drafters import sure
@@ -57,6 +61,21 @@ def test_greedy_output_with_a_confidence_stop_equals_plain_decoding(race, draft,
     assert stopped.stats.levels[-1].drafted < always.stats.levels[-1].drafted
 
 
+@pytest.mark.parametrize("method,options", [
+    ("retrieval", {"gamma": GAMMA, "budget": 16, "chunk_size": 4}),
+    ("triforce", {"draft": "ngram", "gamma1": 2, "gamma2": GAMMA, "budget": 16, "chunk_size": 4}),
+])
+def test_the_level_that_proposes_to_the_target_stops_on_its_own_confidence(race, method, options):
+    """In retrieval and TriForce the proposer is the target over its retrieval cache: its own probabilities."""
+    target, _, prompt, ar = race
+    always = decode(target, prompt, method, NEW, **options)
+    stopped = decode(target, prompt, method, NEW, draft_confidence=0.5, **options)
+    assert torch.equal(always.tokens, ar) and torch.equal(stopped.tokens, ar)
+    short = sum(n for g, n in lengths(stopped).items() if g < GAMMA)
+    assert short >= 2 and lengths(stopped).get(GAMMA, 0) >= 1, lengths(stopped)
+    assert stopped.stats.levels[-1].drafted < always.stats.levels[-1].drafted
+
+
 def test_sure_reads_the_top_probability_at_temperature_one():
     logits = torch.tensor([0.6, 0.2, 0.2]).log() + 3.0  # any shift: softmax gives 0.6 back
     assert sure(logits, 0.0) and sure(logits, 0.55) and not sure(logits, 0.65)
@@ -82,3 +101,14 @@ def test_the_cost_model_takes_a_mix_of_draft_lengths():
                                                       + expected_tokens_per_verify(0.6, 3)) / 2)
     with pytest.raises(SparsedraftError, match="gamma must be >= 1"):
         predict_two_level(2.0, 40.0, {0: 3}, 0.6)
+
+
+def test_a_stopped_runs_prediction_weighs_each_length_by_its_rounds():
+    rounds = {"target": {"3": [1, 2, 1, 4], "1": [10, 6], "0": [1]}}  # 8 rounds of 3 drafts, 16 of 1, 1 of none
+    options = {"gamma": 4, "draft_confidence": 0.5}
+    seconds = {"draft": 0.040, "verify": 1.0}
+    got = predicted_speedup(options, seconds, {"target": 40}, {"target": 25}, rounds, 1.1, 30.0)
+    alpha = fit_alpha(rounds["target"])
+    want = predict_two_level(1.0, 40.0, {3: 8, 1: 16}, alpha, overhead_ms=60.0 / 25)
+    assert got == pytest.approx(30.0 / want.ms_per_token)
+    assert round_lengths(rounds["target"]) == {3: 8, 1: 16}

@@ -24,8 +24,10 @@ kept from level 1 instead of its own p; (c) every draft accepted at both
 levels. A fifth run, which must pass, gives level 2 its own quantised
 weights (``draft_weights``: the target's table rounded to 16 levels per row,
 as int4 rounds a group), so level 2's p differs from level 3's by the
-quantisation as well as by the cache. All share one seed list and one
-statistic.
+quantisation as well as by the cache. A sixth, which must pass too, has
+level 2 hand its tokens up as soon as it emits one it is less than 0.5 sure
+of (``draft_confidence``), so level 3 verifies proposals of every length.
+All share one seed list and one statistic.
 """
 
 from __future__ import annotations
@@ -109,11 +111,14 @@ def hierarchy(variant: str) -> tuple[Drafter, AcceptanceRule]:
     level2_model = QUANTISED if variant == "int4-level2" else TARGET
     level2 = level2_type(RetrievalDrafter(level2_model, FollowingHistoryCache(LEVEL2_NOISE, spec_slots=GAMMA2)),
                          level1, GAMMA1, rule)
+    level2.confidence = 0.5 if variant == "level2-stops" else 0.0
     return level2, level2.level3_acceptance if variant == "redraw-from-p" else rule
 
 
-def combined_pvalue(variant: str) -> float:
-    """Bonferroni-combined chi-square p-value of the marginals and consecutive pairs of tokens 1..6."""
+def combined_pvalue(variant: str) -> tuple[float, Counter]:
+    """Bonferroni-combined chi-square p-value of the marginals and consecutive pairs of tokens 1..6, and the
+    lengths of the proposals level 3 verified (length -> rounds, over every run)."""
+    lengths = Counter()
     marginals = [Counter() for _ in range(NEW_TOKENS)]
     pairs = [Counter() for _ in range(NEW_TOKENS - 1)]
     for seed in range(SAMPLES):
@@ -121,6 +126,7 @@ def combined_pvalue(variant: str) -> float:
         sampling = SamplingConfig(SAMPLING.temperature, SAMPLING.top_p, seed=seed)
         out = speculative(TARGET, drafter, PROMPT, NEW_TOKENS, GAMMA2, sampling, acceptance=rule)
         assert out.stats.target_forwards >= 2, "the window must span several level-3 verifications"
+        lengths.update({g: sum(n) for g, n in out.stats.levels[-1].rounds.items()})
         tokens = out.tokens[0].tolist()
         for t in range(NEW_TOKENS):
             marginals[t][(tokens[t],)] += 1
@@ -129,11 +135,14 @@ def combined_pvalue(variant: str) -> float:
     laws = pair_laws(TARGET, PROMPT[0].tolist(), SAMPLING, NEW_TOKENS)
     pvalues = [chi_square_pvalue(marginals[t], table_law(laws[t].sum(0)), SAMPLES) for t in range(NEW_TOKENS)]
     pvalues += [chi_square_pvalue(pairs[t], table_law(laws[t + 1]), SAMPLES) for t in range(NEW_TOKENS - 1)]
-    return min(1.0, len(pvalues) * min(pvalues))
+    return min(1.0, len(pvalues) * min(pvalues)), lengths
 
 
-@pytest.mark.parametrize("variant,lossless", [("triforce", True), ("int4-level2", True), ("redraw-from-p", False),
-                                              ("level1-q-upward", False), ("always-accept", False)])
+@pytest.mark.parametrize("variant,lossless", [("triforce", True), ("int4-level2", True), ("level2-stops", True),
+                                              ("redraw-from-p", False), ("level1-q-upward", False),
+                                              ("always-accept", False)])
 def test_three_levels_emit_target_law(variant, lossless):
-    p = combined_pvalue(variant)
+    p, lengths = combined_pvalue(variant)
     assert p > 0.01 if lossless else p < 1e-4, p
+    if variant == "level2-stops":  # without the stop each run's first proposal alone holds GAMMA2 tokens
+        assert 0 < lengths[GAMMA2] < SAMPLES / 2, lengths

@@ -230,10 +230,19 @@ def predict_two_level(draft_ms: float, target_ms: float, gamma: int | Mapping[in
     mix = {gamma: 1} if isinstance(gamma, int) else {int(g): int(n) for g, n in gamma.items() if n}
     require(mix and min(mix) >= 1, f"gamma must be >= 1 drafts (or a mix of such lengths), got {gamma}")
     require(overhead_ms >= 0, f"overhead_ms must be >= 0, got {overhead_ms}")
-    rounds = sum(mix.values())
-    drafts = sum(g * n for g, n in mix.items()) / rounds
-    tokens = sum(expected_tokens_per_verify(alpha, g) * n for g, n in mix.items()) / rounds
-    return Prediction(drafts * draft_ms + target_ms + overhead_ms, tokens, target_ms)
+    drafts = sum(g * n for g, n in mix.items()) / sum(mix.values())
+    return Prediction(drafts * draft_ms + target_ms + overhead_ms, mix_tokens_per_verify(alpha, mix), target_ms)
+
+
+def mix_tokens_per_verify(alpha: float, mix: Mapping[int, int]) -> float:
+    """E[accepted + 1] over rounds of mixed draft lengths {length: rounds}, each accepted i.i.d. at ``alpha``."""
+    return sum(expected_tokens_per_verify(alpha, g) * n for g, n in mix.items()) / sum(mix.values())
+
+
+def round_lengths(rounds: Rounds) -> dict[int, int]:
+    """{draft length: rounds} of a level's rounds (histograms of accepted counts per length), rounds that
+    drafted nothing left out: the mix a proposal stopped on its proposer's confidence leaves."""
+    return {int(g): sum(counts) for g, counts in rounds.items() if int(g) and sum(counts)}
 
 
 def _emitted(alpha: float, drafts: int) -> dict[int, float]:
@@ -323,8 +332,10 @@ def predicted_speedup(options: Mapping[str, Any], seconds: Mapping[str, float], 
     costs (timed regions / forward counts, as :func:`measured_level_costs`), its per-iteration overhead (decode
     time outside those forwards), and α per level fitted from its rounds (:func:`~.acceptance.fit_alpha`),
     under the rule this library runs (``overshoot=False``); as a speedup over ``baseline_ms_per_token``.
-    ``options`` gives γ (``gamma``, or ``gamma1``/``gamma2`` for three levels; with ``draft_confidence`` the
-    rounds' own draft lengths, as the drafter stopped them). None for a run without drafts
+    ``options`` gives γ (``gamma``, or ``gamma1``/``gamma2`` for three levels). With ``draft_confidence`` the
+    proposals to the full target have the lengths the proposer stopped them at: the model takes the run's own
+    mix of lengths (:func:`round_lengths`) and, for three levels, its own level-1 and level-2 work per level-3
+    round, and models only the tokens each level-3 round keeps. None for a run without drafts
     (plain decoding, or a level that drafted nothing): there is no α to fit. Beside the measured speedup it
     says whether the run did what its parts imply; a gap is time the model does not see."""
     if not drafted.get(TARGET) or not verifications.get(TARGET):
@@ -333,15 +344,23 @@ def predicted_speedup(options: Mapping[str, Any], seconds: Mapping[str, float], 
         if not drafted[RETRIEVAL_LEVEL]:
             return None
         costs, overhead = measured_level_costs(seconds, drafted, verifications, decode_s)
-        prediction = predict_ms_per_token(costs, int(options["gamma1"]), int(options["gamma2"]),
-                                          fit_alpha(rounds[RETRIEVAL_LEVEL]), fit_alpha(rounds[TARGET]),
-                                          overhead_ms=overhead, overshoot=False)
+        alpha2 = fit_alpha(rounds[TARGET])
+        if options.get("draft_confidence"):  # level 2 stopped on its own confidence: its work per level-3 round
+            outer = verifications[TARGET]     # is the run's own, the tokens those rounds keep are modelled
+            inner_ms = (drafted[RETRIEVAL_LEVEL] * costs.draft_ms
+                        + verifications[RETRIEVAL_LEVEL] * costs.retrieval_ms) / outer
+            prediction = Prediction(inner_ms + costs.target_ms + overhead,
+                                    mix_tokens_per_verify(alpha2, round_lengths(rounds[TARGET])), costs.target_ms)
+        else:
+            prediction = predict_ms_per_token(costs, int(options["gamma1"]), int(options["gamma2"]),
+                                              fit_alpha(rounds[RETRIEVAL_LEVEL]), alpha2, overhead_ms=overhead,
+                                              overshoot=False)
     else:
         forwards = verifications[TARGET]
         draft_s, verify_s = seconds.get(DRAFT, 0.0), seconds[VERIFY]
         overhead = max(0.0, 1000 * (decode_s - draft_s - verify_s) / forwards)
         stops = bool(options.get("draft_confidence"))  # proposals end early: the run's own mix of lengths
-        gamma = {int(g): len(r) for g, r in rounds[TARGET].items() if int(g)} if stops else int(options["gamma"])
+        gamma = round_lengths(rounds[TARGET]) if stops else int(options["gamma"])
         prediction = predict_two_level(1000 * draft_s / drafted[TARGET], 1000 * verify_s / forwards, gamma,
                                        fit_alpha(rounds[TARGET]), overhead_ms=overhead)
     return baseline_ms_per_token / prediction.ms_per_token

@@ -79,8 +79,9 @@ class DraftContext:
 
 def sure(logits: torch.Tensor, confidence: float) -> bool:
     """Whether a draft step may be followed by another: its top-1 probability (softmax of its ``logits`` [V] at
-    temperature 1, whatever the run samples with) reaches ``confidence``; always when ``confidence`` is 0."""
-    return confidence <= 0 or float(logits.float().softmax(-1).amax()) >= confidence
+    temperature 1, whatever the run samples with) reaches ``confidence``; always when ``confidence`` is 0.
+    Logits [n, V] of n emitted tokens are sure when every row is."""
+    return confidence <= 0 or float(logits.float().softmax(-1).amax(-1).min()) >= confidence
 
 
 def draw(q: torch.Tensor, ctx: DraftContext) -> int:

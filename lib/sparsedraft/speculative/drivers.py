@@ -189,10 +189,12 @@ def retrieval(target: Transformer, prompt: torch.Tensor, max_new_tokens: int,
               chunk_size: int = 8, rebuild: RebuildPolicy | str = "never", group_reduce: str = "sum",
               acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None,
               prefilled: PrefilledPrompt | None = None, draft_weights: str = "same",
-              draft_kv: str = "same") -> SpecResult:
-    """Retrieval without hierarchy: target + retrieval cache drafts ``gamma`` tokens for the full target."""
+              draft_kv: str = "same", draft_confidence: float = 0.0) -> SpecResult:
+    """Retrieval without hierarchy: target + retrieval cache drafts ``gamma`` tokens for the full target, ending a
+    proposal after a token it is less sure of than ``draft_confidence`` (see :func:`~.drafters.sure`)."""
     _check_budget(prompt, budget)
     drafter = retrieval_drafter(target, gamma, budget, chunk_size, group_reduce, draft_weights, draft_kv)
+    drafter.confidence = draft_confidence
     return speculative(target, drafter, prompt, max_new_tokens, gamma, sampling, rebuild=rebuild,
                        acceptance=acceptance, eos_token_id=eos_token_id, prefilled=prefilled)
 
@@ -227,15 +229,19 @@ def triforce(target: Transformer, draft_model: Transformer | Drafter, prompt: to
              rebuild: RebuildPolicy | str = "never", group_reduce: str = "sum", draft_positions: str = "cache",
              acceptance: AcceptanceRule = standard_acceptance, eos_token_id: int | None = None,
              prefilled: PrefilledPrompt | None = None, draft_weights: str = "same",
-             draft_kv: str = "same") -> SpecResult:
+             draft_kv: str = "same", draft_confidence: float = 0.0) -> SpecResult:
     """Three levels: draft + streaming cache (gamma1) -> target + retrieval cache (gamma2) -> full target.
 
     Defaults follow the paper (gamma1 = 2, gamma2 = 6, budget 4096 in chunks of
-    8, a 16 + 240 streaming cache of 256 slots).
+    8, a 16 + 240 streaming cache of 256 slots). With ``draft_confidence``,
+    level 2 hands its tokens to level 3 as soon as it emits one it is less sure
+    of than that (the target's own top-1 probability over its retrieval
+    cache), instead of always ``gamma2``.
     """
     _check_budget(prompt, budget)
     drafter = triforce_drafter(target, draft_model, gamma1, gamma2, budget, chunk_size, sink, window,
                                group_reduce, draft_positions, acceptance, draft_weights, draft_kv)
+    drafter.confidence = draft_confidence
     return speculative(target, drafter, prompt, max_new_tokens, gamma2, sampling, rebuild=rebuild,
                        acceptance=acceptance, eos_token_id=eos_token_id, prefilled=prefilled)
 

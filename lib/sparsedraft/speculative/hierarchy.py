@@ -27,7 +27,7 @@ from ..caches import RetrievalCache
 from ..engine.model import Transformer
 from ..engine.sampling import probabilities
 from ..errors import require
-from .drafters import DraftContext, Drafter, ModelDrafter, Proposal, TargetState, proposal_of
+from .drafters import DraftContext, Drafter, ModelDrafter, Proposal, TargetState, proposal_of, sure
 from .stats import DRAFT, RETRIEVAL_LEVEL, VERIFY, LevelStats, region
 from .verify import AcceptanceRule, standard_acceptance, verify
 
@@ -116,14 +116,17 @@ class SpeculativeDrafter(Drafter):
             with ctx.watch(region(self.name, DRAFT)):
                 inner = self.inner.propose(min(self.gamma_inner, gamma - len(tokens) - 1))
             with ctx.watch(region(self.name, VERIFY)):
-                p = probabilities(self.verifier.score(inner.tokens.tolist()), ctx.sampling)  # [g+1, V]
+                logits = self.verifier.score(inner.tokens.tolist())  # [g+1, V]
+                p = probabilities(logits, ctx.sampling)
                 verdict = verify(inner.tokens, inner.q, p, ctx.sampling.greedy, ctx.generator, self.acceptance)
             self.level.record(inner.tokens.numel(), verdict.accepted)
             self.inner.commit(verdict.accepted, verdict.token, self._verified())
             self.verifier.keep(verdict.accepted, verdict.token)
             tokens += inner.tokens[:verdict.accepted].tolist() + [verdict.token]
             qs.append(p[:verdict.accepted + 1])
-        self.proposed = gamma
+            if not sure(logits[:verdict.accepted + 1], self.confidence):  # the verifier's own, at what it emitted
+                break
+        self.proposed = len(tokens)
         return proposal_of(tokens, qs, self.vocab_size, self.verifier.model.device)
 
     def _verified(self) -> TargetState | None:

@@ -106,9 +106,13 @@ def _check_draft_vocab(draft: Any, draft_vocab: int) -> None:
             "own: pass a draft model or drop draft_vocab")
 
 
-def _check_draft_confidence(draft: Any, confidence: float) -> None:
+def _check_confidence(confidence: float) -> None:
     require(0.0 <= confidence < 1.0, f"draft_confidence is a probability in [0, 1) (0: never stop early), got "
                                      f"{confidence}")
+
+
+def _check_draft_confidence(draft: Any, confidence: float) -> None:
+    _check_confidence(confidence)
     require(not confidence or (draft != "ngram" and not isinstance(draft, Drafter)),
             f"draft_confidence {confidence} stops a draft model's proposals by its own probabilities; this draft "
             f"({draft!r}) has none: pass a draft model or drop draft_confidence (a Drafter object takes it as "
@@ -134,9 +138,10 @@ DRAFT_WEIGHTS_HELP = ("weights of a draft level that is the target itself: same 
 CHUNK_SCORING_HELP = ("how a budget draft cache ranks chunks: attention (observation window, per layer), keys (mean "
                       "key vs last key, per KV head); empty: the drafter's training rule")
 
-DRAFT_CONFIDENCE_HELP = ("end a proposal after a draft whose own top-1 probability is below this (the drafter's "
-                         "confidence; fewer verification rows the target would reject; still lossless); 0: always "
-                         "gamma drafts")
+DRAFT_CONFIDENCE_HELP = ("end a proposal to the full target after a token its proposer was less sure of than "
+                         "this (its own top-1 probability: the draft model's; in retrieval and triforce the target's "
+                         "over its retrieval cache), saving verification rows the target would likely reject; still "
+                         "lossless; 0: always gamma (gamma2) tokens")
 
 DRAFT_VOCAB_HELP = ("score only the N tokens most frequent in the essays' train split in the draft's head (q = 0 "
                     "elsewhere: still lossless, a cheaper draft step); 0: the full head")
@@ -271,10 +276,12 @@ class RetrievalCacheOptions:
                                                        "choices": GROUP_REDUCTIONS})
     draft_weights: str = field(default="same", metadata={"help": DRAFT_WEIGHTS_HELP, "choices": DRAFT_WEIGHTS})
     draft_kv: str = field(default="same", metadata={"help": DRAFT_KV_HELP, "choices": DRAFT_KV})
+    draft_confidence: float = field(default=0.0, metadata={"help": DRAFT_CONFIDENCE_HELP})
 
     def __post_init__(self) -> None:
         check_draft_weights(self.draft_weights)
         check_draft_kv(self.draft_kv)
+        _check_confidence(self.draft_confidence)
         require(self.group_reduce in GROUP_REDUCTIONS,
                 f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
         rebuild_policy(self.rebuild)  # raises on a malformed policy
@@ -418,7 +425,7 @@ def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: S
                   opts: RetrievalOptions, eos: int | None, prefilled: PrefilledPrompt | None = None) -> Outcome:
     return retrieval(target, prompt, n, sampling, gamma=opts.gamma, budget=opts.budget, chunk_size=opts.chunk_size,
                      rebuild=opts.rebuild, group_reduce=opts.group_reduce, eos_token_id=eos, prefilled=prefilled,
-                     draft_weights=opts.draft_weights, draft_kv=opts.draft_kv)
+                     draft_weights=opts.draft_weights, draft_kv=opts.draft_kv, draft_confidence=opts.draft_confidence)
 
 
 def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
@@ -427,7 +434,8 @@ def run_triforce(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sa
     return triforce(target, level1, prompt, n, sampling, gamma1=opts.gamma1, gamma2=opts.gamma2, budget=opts.budget,
                     chunk_size=opts.chunk_size, sink=opts.sink, window=opts.window, rebuild=opts.rebuild,
                     group_reduce=opts.group_reduce, draft_positions=opts.draft_positions, eos_token_id=eos,
-                    prefilled=prefilled, draft_weights=opts.draft_weights, draft_kv=opts.draft_kv)
+                    prefilled=prefilled, draft_weights=opts.draft_weights, draft_kv=opts.draft_kv,
+                    draft_confidence=opts.draft_confidence)
 
 
 @dataclass(frozen=True)
