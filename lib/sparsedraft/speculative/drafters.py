@@ -84,6 +84,12 @@ def sure(logits: torch.Tensor, confidence: float) -> bool:
     return confidence <= 0 or float(logits.float().softmax(-1).amax(-1).min()) >= confidence
 
 
+def check_confidence(confidence: float) -> None:
+    """A ``draft_confidence`` is a probability below 1 (1 would stop every proposal after its first token)."""
+    require(0.0 <= confidence < 1.0, f"draft_confidence is a probability in [0, 1) (0: never stop early), got "
+                                     f"{confidence}")
+
+
 def draw(q: torch.Tensor, ctx: DraftContext) -> int:
     """One token from q [V]: the argmax when greedy (no random draw), else a seeded sample."""
     if ctx.sampling.greedy:

@@ -38,7 +38,7 @@ from ..engine.quant import draft_copy
 from ..engine.runtime import synchronize
 from ..engine.sampling import SamplingConfig, probabilities
 from ..errors import require
-from .drafters import DraftContext, Drafter, ModelDrafter, TargetState
+from .drafters import DraftContext, Drafter, ModelDrafter, TargetState, check_confidence
 from .hierarchy import RetrievalDrafter, SpeculativeDrafter
 from .stats import DRAFT, REBUILD, RETRIEVAL_LEVEL, SYNC, TARGET, VERIFY, LevelStats, SpecStats, Stopwatch
 from .verify import AcceptanceRule, standard_acceptance, verify
@@ -193,6 +193,7 @@ def retrieval(target: Transformer, prompt: torch.Tensor, max_new_tokens: int,
     """Retrieval without hierarchy: target + retrieval cache drafts ``gamma`` tokens for the full target, ending a
     proposal after a token it is less sure of than ``draft_confidence`` (see :func:`~.drafters.sure`)."""
     _check_budget(prompt, budget)
+    check_confidence(draft_confidence)
     drafter = retrieval_drafter(target, gamma, budget, chunk_size, group_reduce, draft_weights, draft_kv)
     drafter.confidence = draft_confidence
     return speculative(target, drafter, prompt, max_new_tokens, gamma, sampling, rebuild=rebuild,
@@ -239,6 +240,7 @@ def triforce(target: Transformer, draft_model: Transformer | Drafter, prompt: to
     cache), instead of always ``gamma2``.
     """
     _check_budget(prompt, budget)
+    check_confidence(draft_confidence)
     drafter = triforce_drafter(target, draft_model, gamma1, gamma2, budget, chunk_size, sink, window,
                                group_reduce, draft_positions, acceptance, draft_weights, draft_kv)
     drafter.confidence = draft_confidence

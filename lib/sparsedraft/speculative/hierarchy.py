@@ -16,7 +16,10 @@ verifies. It composes its verifier instead of subclassing it, so any model
 over any cache can be a middle level, and the verifier keeps its own start,
 commit and rebuild. The q it reports is the verifier model's distribution at
 each emitted position, the exact law of the token it emits, so the level
-above stays lossless.
+above stays lossless. With a ``confidence`` it hands its tokens up as soon
+as it emits one its verifier model was less sure of (TriForce's
+``draft_confidence``: the target's own probability over its retrieval
+cache says which tokens the full target will likely reject).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from ..engine.quant import DRAFT_WEIGHTS, check_draft_weights, draft_copy
 from ..engine.sampling import SamplingConfig
 from ..errors import SparsedraftError, require
 from .budget import BudgetDrafter
-from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter, check_confidence
 from .drivers import SpecResult, retrieval, speculative, triforce
 from .feature import FeatureHead
 from .feature_drafter import FeatureDrafter
@@ -106,13 +106,8 @@ def _check_draft_vocab(draft: Any, draft_vocab: int) -> None:
             "own: pass a draft model or drop draft_vocab")
 
 
-def _check_confidence(confidence: float) -> None:
-    require(0.0 <= confidence < 1.0, f"draft_confidence is a probability in [0, 1) (0: never stop early), got "
-                                     f"{confidence}")
-
-
 def _check_draft_confidence(draft: Any, confidence: float) -> None:
-    _check_confidence(confidence)
+    check_confidence(confidence)
     require(not confidence or (draft != "ngram" and not isinstance(draft, Drafter)),
             f"draft_confidence {confidence} stops a draft model's proposals by its own probabilities; this draft "
             f"({draft!r}) has none: pass a draft model or drop draft_confidence (a Drafter object takes it as "
@@ -281,7 +276,7 @@ class RetrievalCacheOptions:
     def __post_init__(self) -> None:
         check_draft_weights(self.draft_weights)
         check_draft_kv(self.draft_kv)
-        _check_confidence(self.draft_confidence)
+        check_confidence(self.draft_confidence)
         require(self.group_reduce in GROUP_REDUCTIONS,
                 f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
         rebuild_policy(self.rebuild)  # raises on a malformed policy
