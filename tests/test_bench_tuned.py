@@ -4,7 +4,7 @@ import pytest
 
 import sparsedraft.bench.tuned as tuned
 from sparsedraft import METHODS
-from sparsedraft.__main__ import bench_config, build_parser
+from sparsedraft.__main__ import bench_config, build_parser, tuned_note
 from sparsedraft.bench.tuned import tuned_context, tuned_options
 
 TABLE = {"triforce": {8000: {"budget": 512, "gamma1": 2, "gamma2": 6},
@@ -41,6 +41,15 @@ def test_bench_takes_tuned_defaults_and_given_flags_win(table):
 def test_below_the_tuned_contexts_only_given_flags_are_passed(table):
     assert options_of("triforce", "--context", "4000") == {}
     assert options_of("triforce", "--context", "4000", "--gamma2", "5") == {"gamma2": 5}
+
+
+def test_the_bench_names_only_the_options_the_table_filled_in(table):
+    def note(*argv):
+        args = build_parser().parse_args(["bench", *argv])
+        return tuned_note(args, bench_config(args))
+    assert note("triforce", "--context", "20000", "--budget", "1024").endswith("{'gamma1': 4, 'gamma2': 8}")
+    assert note("triforce", "--context", "20000", "--budget", "1024", "--gamma1", "2", "--gamma2", "6") == ""
+    assert note("triforce", "--context", "4000") == ""
 
 
 def test_shipped_table_is_valid_options_at_increasing_contexts():

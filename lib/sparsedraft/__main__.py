@@ -69,15 +69,27 @@ def bench_config(args: argparse.Namespace):
     return config_from_args(bench.config, args, methods=((bench.method, options),))
 
 
+def tuned_note(args: argparse.Namespace, config) -> str:
+    """The line naming the options the tuned table filled in because the command line left them off ('' when
+    it filled none)."""
+    method = BENCHES[args.bench].method
+    if method is None:
+        return ""
+    given = values_from_args(METHODS[method].options, args)
+    taken = {k: v for k, v in tuned_options(method, config.context).items() if k not in given}
+    return (f"{method} options not given on the command line took the best settings measured at context "
+            f"{tuned_context(method, config.context)} ({SOURCE}): {taken}") if taken else ""
+
+
 def run_bench(args: argparse.Namespace) -> None:
     config = bench_config(args)
     started = provenance() if args.record else None
     bench = BENCHES[args.bench]
     result = bench.run(config, True)
     print(result.table())
-    if bench.method is not None and tuned_context(bench.method, config.context) is not None:
-        print(f"{bench.method} options not given on the command line took the best settings measured at context "
-              f"{tuned_context(bench.method, config.context)} ({SOURCE}): {config.methods[0][1]}")
+    note = tuned_note(args, config)
+    if note:
+        print(note)
     print(json.dumps(result.to_dict()))
     if args.record:
         found = result.to_dict()
