@@ -3,8 +3,9 @@
 Greedy output equals plain decoding with the stop on, for a feature head (two
 caches) and a model drafter, and the stop really shortens proposals (fewer
 drafts, rounds below gamma, some still full). Bad values and drafts without a
-model are refused before any forward. The cost model takes such a run's mix of
-draft lengths. In retrieval and TriForce the proposer is the target over its
+model are refused before any forward. The cost model takes such a run's own
+drafting and models its tokens with two acceptance rates (sure tokens, and the
+token a round stopped after). In retrieval and TriForce the proposer is the target over its
 retrieval cache, which stops on its own probabilities. The sampling checks
 (the target's law with the stop on) are in ``test_feature_drafter.py`` and
 ``test_triforce_sampling.py``.
@@ -17,9 +18,8 @@ import torch
 from feature_heads import perturbed_head
 
 from sparsedraft import SparsedraftError, decode
-from sparsedraft.analysis import fit_alpha
-from sparsedraft.analysis.costmodel import (expected_tokens_per_verify, predict_two_level, predicted_speedup,
-                                           round_lengths)
+from sparsedraft.analysis.costmodel import (confidence_alphas, expected_tokens_per_verify, predicted_speedup,
+                                           round_lengths, stopped_tokens_per_verify)
 from sparsedraft.engine.generate import generate
 from sparsedraft.engine.tiny import tiny_model
 from sparsedraft.speculative.drafters import sure
@@ -92,23 +92,23 @@ def test_bad_confidence_is_refused_before_any_forward(race, options, message):
         decode(target, prompt, "spec", NEW, **options)
 
 
-def test_the_cost_model_takes_a_mix_of_draft_lengths():
-    one = predict_two_level(2.0, 40.0, 3, 0.6, overhead_ms=1.0)
-    assert predict_two_level(2.0, 40.0, {3: 7}, 0.6, overhead_ms=1.0) == one
-    mix = predict_two_level(2.0, 40.0, {1: 2, 3: 2}, 0.6)
-    assert mix.ms_per_iteration == pytest.approx(2 * 2.0 + 40.0)
-    assert mix.tokens_per_iteration == pytest.approx((expected_tokens_per_verify(0.6, 1)
-                                                      + expected_tokens_per_verify(0.6, 3)) / 2)
-    with pytest.raises(SparsedraftError, match="gamma must be >= 1"):
-        predict_two_level(2.0, 40.0, {0: 3}, 0.6)
+def test_two_acceptance_rates_one_for_sure_tokens_one_for_the_token_a_round_stopped_after():
+    # gamma 3: full rounds hold sure tokens only; a shorter round's last token is the unsure one
+    rounds = {"3": [1, 0, 0, 2], "1": [3, 1], "2": [0, 2, 1]}
+    sure, unsure = confidence_alphas(rounds, 3)
+    assert sure == pytest.approx(9 / 10) and unsure == pytest.approx(2 / 7)
+    want = (3 * expected_tokens_per_verify(0.9, 3) + 4 * (1 + 2 / 7) + 3 * (0.1 + 0.9 * (2 + 2 / 7))) / 10
+    assert stopped_tokens_per_verify(rounds, 3) == pytest.approx(want)
+    assert confidence_alphas({"3": [0, 0, 0, 4]}, 3) == (1.0, 0.0)  # no unsure token judged: 0 by convention
 
 
-def test_a_stopped_runs_prediction_weighs_each_length_by_its_rounds():
+def test_a_stopped_runs_prediction_takes_its_drafting_and_models_its_tokens():
     rounds = {"target": {"3": [1, 2, 1, 4], "1": [10, 6], "0": [1]}}  # 8 rounds of 3 drafts, 16 of 1, 1 of none
-    options = {"gamma": 4, "draft_confidence": 0.5}
+    options = {"gamma": 3, "draft_confidence": 0.5}
     seconds = {"draft": 0.040, "verify": 1.0}
     got = predicted_speedup(options, seconds, {"target": 40}, {"target": 25}, rounds, 1.1, 30.0)
-    alpha = fit_alpha(rounds["target"])
-    want = predict_two_level(1.0, 40.0, {3: 8, 1: 16}, alpha, overhead_ms=60.0 / 25)
-    assert got == pytest.approx(30.0 / want.ms_per_token)
+    per_round_ms = (40.0 + 1000.0 + 60.0) / 25  # drafting, verification and overhead per verification
+    assert got == pytest.approx(30.0 / (per_round_ms / stopped_tokens_per_verify(rounds["target"], 3)))
     assert round_lengths(rounds["target"]) == {3: 8, 1: 16}
+    without = predicted_speedup({"gamma": 3}, seconds, {"target": 40}, {"target": 25}, rounds, 1.1, 30.0)
+    assert without != pytest.approx(got)  # a run without the stop keeps the one-rate model

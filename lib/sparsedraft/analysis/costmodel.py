@@ -222,27 +222,54 @@ class Prediction:
         return self.vanilla_ms / self.ms_per_token
 
 
-def predict_two_level(draft_ms: float, target_ms: float, gamma: int | Mapping[int, int], alpha: float,
+def predict_two_level(draft_ms: float, target_ms: float, gamma: int, alpha: float,
                       overhead_ms: float = 0.0) -> Prediction:
-    """Standard speculative decoding: γ draft forwards + one target verify per iteration. ``gamma`` may be a mix
-    {draft length: rounds} instead (a drafter that stops early on its own confidence): the iteration's drafts
-    and tokens are then the mix's means, each length's tokens under i.i.d. acceptance at ``alpha``."""
-    mix = {gamma: 1} if isinstance(gamma, int) else {int(g): int(n) for g, n in gamma.items() if n}
-    require(mix and min(mix) >= 1, f"gamma must be >= 1 drafts (or a mix of such lengths), got {gamma}")
+    """Standard speculative decoding: γ draft forwards + one target verify per iteration."""
+    require(gamma >= 1, f"gamma must be >= 1 drafts, got {gamma}")
     require(overhead_ms >= 0, f"overhead_ms must be >= 0, got {overhead_ms}")
-    drafts = sum(g * n for g, n in mix.items()) / sum(mix.values())
-    return Prediction(drafts * draft_ms + target_ms + overhead_ms, mix_tokens_per_verify(alpha, mix), target_ms)
-
-
-def mix_tokens_per_verify(alpha: float, mix: Mapping[int, int]) -> float:
-    """E[accepted + 1] over rounds of mixed draft lengths {length: rounds}, each accepted i.i.d. at ``alpha``."""
-    return sum(expected_tokens_per_verify(alpha, g) * n for g, n in mix.items()) / sum(mix.values())
+    return Prediction(gamma * draft_ms + target_ms + overhead_ms, expected_tokens_per_verify(alpha, gamma), target_ms)
 
 
 def round_lengths(rounds: Rounds) -> dict[int, int]:
     """{draft length: rounds} of a level's rounds (histograms of accepted counts per length), rounds that
-    drafted nothing left out: the mix a proposal stopped on its proposer's confidence leaves."""
+    drafted nothing left out."""
     return {int(g): sum(counts) for g, counts in rounds.items() if int(g) and sum(counts)}
+
+
+def confidence_alphas(rounds: Rounds, gamma: int) -> tuple[float, float]:
+    """(α_sure, α_unsure) of a run whose proposer ended each proposal after a token it was unsure of
+    (``draft_confidence``), by maximum likelihood over its rounds: a round shorter than ``gamma`` ended on the
+    unsure token, every other token was one its proposer was sure of. A class with no judged token gets 1
+    (sure) or 0 (unsure). Two rates because the stop is placed exactly where acceptance drops: one rate for
+    every token underpredicts what such a run keeps."""
+    kept = {"sure": 0, "unsure": 0}
+    lost = {"sure": 0, "unsure": 0}
+    for g, counts in rounds.items():
+        g = int(g)
+        stopped = 0 < g < gamma
+        sure_len = g - 1 if stopped else g  # the sure tokens at the front of the round
+        for k, n in enumerate(counts):
+            kept["sure"] += n * min(k, sure_len)
+            if k < sure_len:
+                lost["sure"] += n
+            elif stopped:
+                (kept if k == g else lost)["unsure"] += n
+    rate = {c: kept[c] / (kept[c] + lost[c]) if kept[c] + lost[c] else float(c == "sure") for c in kept}
+    return rate["sure"], rate["unsure"]
+
+
+def stopped_tokens_per_verify(rounds: Rounds, gamma: int) -> float:
+    """E[accepted + 1] per verification of such a run: each round at the length it had, its sure tokens
+    accepted i.i.d. at α_sure and the token it stopped after at α_unsure (:func:`confidence_alphas`)."""
+    sure, unsure = confidence_alphas(rounds, gamma)
+    mix = round_lengths(rounds)
+    require(mix, "no round drafted a token, so there is nothing to model; pass a run with drafts")
+
+    def tokens(g: int) -> float:
+        if g >= gamma:
+            return expected_tokens_per_verify(sure, g)
+        return sum(sure ** k * (1 - sure) * (k + 1) for k in range(g - 1)) + sure ** (g - 1) * (g + unsure)
+    return sum(tokens(g) * n for g, n in mix.items()) / sum(mix.values())
 
 
 def _emitted(alpha: float, drafts: int) -> dict[int, float]:
@@ -334,8 +361,9 @@ def predicted_speedup(options: Mapping[str, Any], seconds: Mapping[str, float], 
     under the rule this library runs (``overshoot=False``); as a speedup over ``baseline_ms_per_token``.
     ``options`` gives γ (``gamma``, or ``gamma1``/``gamma2`` for three levels). With ``draft_confidence`` the
     proposals to the full target have the lengths the proposer stopped them at: the model takes the run's own
-    mix of lengths (:func:`round_lengths`) and, for three levels, its own level-1 and level-2 work per level-3
-    round, and models only the tokens each level-3 round keeps. None for a run without drafts
+    drafting work per verification (for three levels its level-1 and level-2 work) and models only the tokens
+    each verification keeps, with one acceptance rate for the tokens the proposer was sure of and one for the
+    token it stopped after (:func:`stopped_tokens_per_verify`). None for a run without drafts
     (plain decoding, or a level that drafted nothing): there is no α to fit. Beside the measured speedup it
     says whether the run did what its parts imply; a gap is time the model does not see."""
     if not drafted.get(TARGET) or not verifications.get(TARGET):
@@ -344,25 +372,28 @@ def predicted_speedup(options: Mapping[str, Any], seconds: Mapping[str, float], 
         if not drafted[RETRIEVAL_LEVEL]:
             return None
         costs, overhead = measured_level_costs(seconds, drafted, verifications, decode_s)
-        alpha2 = fit_alpha(rounds[TARGET])
         if options.get("draft_confidence"):  # level 2 stopped on its own confidence: its work per level-3 round
             outer = verifications[TARGET]     # is the run's own, the tokens those rounds keep are modelled
             inner_ms = (drafted[RETRIEVAL_LEVEL] * costs.draft_ms
                         + verifications[RETRIEVAL_LEVEL] * costs.retrieval_ms) / outer
             prediction = Prediction(inner_ms + costs.target_ms + overhead,
-                                    mix_tokens_per_verify(alpha2, round_lengths(rounds[TARGET])), costs.target_ms)
+                                    stopped_tokens_per_verify(rounds[TARGET], int(options["gamma2"])),
+                                    costs.target_ms)
         else:
             prediction = predict_ms_per_token(costs, int(options["gamma1"]), int(options["gamma2"]),
-                                              fit_alpha(rounds[RETRIEVAL_LEVEL]), alpha2, overhead_ms=overhead,
-                                              overshoot=False)
+                                              fit_alpha(rounds[RETRIEVAL_LEVEL]), fit_alpha(rounds[TARGET]),
+                                              overhead_ms=overhead, overshoot=False)
     else:
         forwards = verifications[TARGET]
         draft_s, verify_s = seconds.get(DRAFT, 0.0), seconds[VERIFY]
         overhead = max(0.0, 1000 * (decode_s - draft_s - verify_s) / forwards)
-        stops = bool(options.get("draft_confidence"))  # proposals end early: the run's own mix of lengths
-        gamma = round_lengths(rounds[TARGET]) if stops else int(options["gamma"])
-        prediction = predict_two_level(1000 * draft_s / drafted[TARGET], 1000 * verify_s / forwards, gamma,
-                                       fit_alpha(rounds[TARGET]), overhead_ms=overhead)
+        if options.get("draft_confidence"):  # proposals ended early: the run's own drafting per round
+            verify_ms = 1000 * verify_s / forwards
+            prediction = Prediction(1000 * draft_s / forwards + verify_ms + overhead,
+                                    stopped_tokens_per_verify(rounds[TARGET], int(options["gamma"])), verify_ms)
+        else:
+            prediction = predict_two_level(1000 * draft_s / drafted[TARGET], 1000 * verify_s / forwards,
+                                           int(options["gamma"]), fit_alpha(rounds[TARGET]), overhead_ms=overhead)
     return baseline_ms_per_token / prediction.ms_per_token
 
 
