@@ -2,15 +2,15 @@
 
 Greedy output equals plain decoding with the stop on, for a feature head (two
 caches) and a model drafter, and the stop really shortens proposals (fewer
-drafts, rounds below gamma, some still full). Bad values and drafts without a
-model are refused before any forward. The cost model takes such a run's own
-drafting and models its tokens with two acceptance rates (sure tokens, and the
-token a round stopped after). In retrieval and TriForce the proposer is the target over its
-retrieval cache, which stops on its own probabilities. The sampling checks
-(the target's law with the stop on) are in ``test_feature_drafter.py`` and
-``test_triforce_sampling.py``.
+drafts, rounds below gamma, some still full). In retrieval and TriForce the
+proposer is the target over its retrieval cache, which stops on its own
+probabilities. A batch in lockstep gives each row its plain output with the
+stop on. Bad values and drafts without a model are refused before any
+forward. The cost model takes such a run's own drafting and models its
+tokens with two acceptance rates (sure tokens, and the token a round stopped
+after). The sampling checks (the target's law with the stop on) are in
+``test_feature_drafter.py`` and ``test_triforce_sampling.py``.
 """
-
 from __future__ import annotations
 
 import pytest
@@ -74,6 +74,20 @@ def test_the_level_that_proposes_to_the_target_stops_on_its_own_confidence(race,
     short = sum(n for g, n in lengths(stopped).items() if g < GAMMA)
     assert short >= 2 and lengths(stopped).get(GAMMA, 0) >= 1, lengths(stopped)
     assert stopped.stats.levels[-1].drafted < always.stats.levels[-1].drafted
+
+
+@pytest.mark.parametrize("method,options", [
+    ("spec", {"gamma": GAMMA}),
+    ("triforce", {"draft": "ngram", "gamma1": 2, "gamma2": GAMMA, "budget": 16, "chunk_size": 4}),
+])
+def test_a_batch_with_the_stop_gives_each_row_its_plain_output(race, method, options):
+    target, head, prompt, ar = race
+    if method == "spec":
+        options = {**options, "draft": head}
+    other = torch.randint(0, target.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    out = decode(target, [prompt[0], other], method, NEW, draft_confidence=0.3, **options)
+    assert torch.equal(out.tokens[0][:NEW], ar[0])
+    assert torch.equal(out.tokens[1][:NEW], generate(target, other[None], NEW).tokens[0])
 
 
 def test_sure_reads_the_top_probability_at_temperature_one():

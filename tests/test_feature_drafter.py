@@ -3,8 +3,8 @@
 Greedy output must equal plain greedy output token for token whatever the
 head drafts, over each of its three caches, as TriForce's first level, and
 through ``decode()`` from a saved folder; sampled output must keep the
-target's law (chi-square, with an always-accept mutant that the same test
-catches). A drafter folder is refused against another target before any
+target's law (chi-square, with and without the drafter stopping on its own
+confidence, and an always-accept mutant that the same test catches). A drafter folder is refused against another target before any
 forward. A batch of prompts gives each row its own plain output.
 """
 
