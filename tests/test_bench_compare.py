@@ -60,6 +60,18 @@ def test_each_method_row_carries_the_cost_models_speedup_from_its_own_parts(ever
     assert "model" in every_method.table().splitlines()[2]
 
 
+def test_a_stopped_run_reports_the_two_acceptance_rates_its_model_takes():
+    from sparsedraft.analysis.costmodel import confidence_alphas
+    result = compare(CompareConfig(**TINY, methods=(("triforce", {"budget": 64, "gamma1": 2, "gamma2": 4,
+                                                                   "draft_confidence": 0.5}),)))
+    row = result.row("triforce")
+    sure, unsure = confidence_alphas(row.rounds["target"], 4)
+    assert row.stop_acceptance == {"sure": sure, "stopped_after": unsure}
+    assert "of the tokens the proposer was sure of" in result.table()
+    assert json.loads(json.dumps(result.to_dict()))["rows"][1]["stop_acceptance"] == row.stop_acceptance
+    assert result.row("ar").stop_acceptance is None
+
+
 def test_frame_records_and_json_hold_the_same_numbers(every_method):
     result = every_method
     frame = result.frame()

@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..analysis.costmodel import predicted_speedup
+from ..analysis.costmodel import confidence_alphas, predicted_speedup, round_lengths
 from ..engine import machine, weights
 from ..engine.data import SPLITS, bench_prompt
 from ..engine.model import Transformer
@@ -57,6 +57,7 @@ from ..speculative.batching import batch_bytes, check_memory
 from ..speculative.decoding import DecodeResult, decode
 from ..speculative.feature import feature_layers_of
 from ..speculative.loading import check_trained_for, drafter_kind
+from ..speculative.stats import TARGET
 from ..speculative.methods import METHODS, load_draft, method_options
 from .steps import StepRow, method_steps, step_row, steps_table
 from .timing import interleaved_runs, median_run
@@ -186,6 +187,9 @@ class MethodRow:
     steps: list[StepRow] = field(default_factory=list)  # timed steps beside their rooflines (batch 1)
     # The cost model's speedup from this run's own parts (analysis.costmodel.predicted_speedup; batch 1, with drafts)
     predicted_speedup: float | None = None
+    # With draft_confidence: the target's acceptance of the tokens the proposer was sure of ("sure") and of the one
+    # each stopped proposal ended on ("stopped_after"), the two rates the cost model takes (batch 1)
+    stop_acceptance: dict[str, float] | None = None
 
 
 @dataclass
@@ -247,6 +251,10 @@ class CompareResult:
             if r.decode_s > 0:
                 lines.append(f"{r.method} decode time: " + ", ".join(
                     f"{k} {100 * v / r.decode_s:.0f}%" for k, v in sorted(r.seconds.items())))
+            if r.stop_acceptance:
+                lines.append(f"{r.method} stopping below {r.options.get('draft_confidence')}: the target kept "
+                             f"{r.stop_acceptance['sure']:.0%} of the tokens the proposer was sure of and "
+                             f"{r.stop_acceptance['stopped_after']:.0%} of those it stopped after")
         if self.isa:
             peaks = ", ".join(f"{k} {v:.1f}" for k, v in self.peak_gflops.items())
             lines.append(f"path: {machine.MachineReport(**self.isa)}; matmul peak GFLOP/s {peaks}")
@@ -254,6 +262,17 @@ class CompareResult:
         if steps:
             lines.append(steps_table(steps))
         return "\n".join(lines)
+
+
+def _stop_acceptance(row: MethodRow, opts: Any) -> dict[str, float] | None:
+    """For a run whose proposals to the full target stopped on their proposer's confidence (``draft_confidence``):
+    how often the target kept the tokens the proposer was sure of and the token it stopped after
+    (:func:`~sparsedraft.analysis.costmodel.confidence_alphas`); None for any other run."""
+    if opts is None or not getattr(opts, "draft_confidence", 0.0) or not round_lengths(row.rounds.get(TARGET, {})):
+        return None
+    gamma = getattr(opts, "gamma2", getattr(opts, "gamma", None))
+    sure, unsure = confidence_alphas(row.rounds[TARGET], int(gamma))
+    return {"sure": sure, "stopped_after": unsure}
 
 
 def _row(label: str, runs: list[DecodeResult], baseline: list[DecodeResult], check_tokens: bool,
@@ -359,7 +378,8 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     path = machine.report(device)
     read_bw, peaks = measure_read_bandwidth(device), machine.peak_gflops([config.dtype], device, config.peak_s)
     if config.batch == 1:  # a batch's regions are its slowest row's, its counts every row's: no model for that
-        rows = [dataclasses.replace(row, predicted_speedup=_predicted(row, opts, rows[0].ms_per_token))
+        rows = [dataclasses.replace(row, predicted_speedup=_predicted(row, opts, rows[0].ms_per_token),
+                                    stop_acceptance=_stop_acceptance(row, opts))
                 for row, opts in zip(rows, [None, *options])]
     if config.batch == 1 and config.quant == "none":  # int8 weights: roofline.py counts bytes at the dtype's width
         rows = [dataclasses.replace(row, steps=_steps(target, config, row, opts, read_bw, peaks[config.dtype]))
