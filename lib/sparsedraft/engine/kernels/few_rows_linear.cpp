@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "prefetch.h"
 #include "tiles.h"
 
 namespace {
@@ -57,14 +58,6 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept qui
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>(bits >> 16);
-}
-
-// Ask for the bytes [from, to) of the weight rows after the ones streaming now (a step's share of them), so
-// they arrive before they are read: the hardware prefetcher cannot lock onto rows this short (an int8 row
-// of 576 codes is 9 cache lines, a bf16 one 18), and without this the int8 and bf16 paths read at half
-// fp32's rate.
-inline void prefetch_share(const char* next, int64_t from, int64_t to) {
-  for (int64_t b = from / 64 * 64; b < to; b += 64) __builtin_prefetch(next + b, 0, 3);
 }
 
 inline float load(const float* p) { return *p; }
@@ -114,8 +107,11 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
     for (int m = 0; m < M; ++m) lo[j][m] = hi[j][m] = _mm256_setzero_ps();
   const char* next = reinterpret_cast<const char*>(wn + NB * k_len);  // the next NB rows, contiguous after these
   for (int64_t k = 0; k < full; k += kLanes) {
-    // While these rows stream, ask for the next group's: NB cache lines per NB * 64 bytes consumed.
-    for (int j = 0; j < NB; ++j) __builtin_prefetch(next + (k * NB + j * kLanes) * sizeof(W), 0, 0);
+    // While these rows stream, ask for the next group's: NB cache lines per NB * 64 bytes consumed. The
+    // hardware prefetcher cannot lock onto rows this short (an int8 row of 576 codes is 9 cache lines), and
+    // without this the int8 and bf16 paths read at half fp32's rate on AVX2 machines. (The AVX-512 and tile
+    // paths ask for nothing: GCC 12 had compiled their prefetches away, and made to run they were slower.)
+    for (int j = 0; j < NB; ++j) prefetch_once(next + (k * NB + j * kLanes) * sizeof(W));
     __m256 wl[NB], wh[NB];
     for (int j = 0; j < NB; ++j) {
       wl[j] = load8(wn + j * k_len + k);
@@ -187,10 +183,7 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
       __m512 vacc[NB][M];
       for (int j = 0; j < NB; ++j)
         for (int m = 0; m < M; ++m) vacc[j][m] = _mm512_setzero_ps();
-      // While these NB rows stream, the next group's come in (prefetch_share).
-      const char* next = reinterpret_cast<const char*>(wn + NB * k_len);
       for (int64_t k = 0; k < full; k += kLanes) {
-        prefetch_share(next, k * NB * int64_t{sizeof(W)}, (k + kLanes) * NB * int64_t{sizeof(W)});
         __m512 wv[NB];
         for (int j = 0; j < NB; ++j) wv[j] = load16(wn + j * k_len + k);
         for (int m = 0; m < M; ++m) {
@@ -269,9 +262,7 @@ void tile_rows(const uint16_t* xv, const uint16_t* w, int64_t k_len, int64_t m_l
     _tile_zero(0);
     _tile_zero(1);
     int64_t k = 0;  // two accumulators over alternate 32-k steps keep two products in flight; fixed order
-    const char* next = reinterpret_cast<const char*>(w + (n + 16) * k_len);  // the next block, contiguous
     for (; k + 64 <= k_len; k += 64) {
-      prefetch_share(next, k * 32, (k + 64) * 32);  // 16 rows x 2 bytes per k
       _tile_loadd(2, wn + k, k_len * 2);
       _tile_loadd(4, xv + k * 16, 64);
       _tile_dpbf16ps(0, 2, 4);
@@ -315,9 +306,7 @@ void dot_block(const uint16_t* x, const uint16_t* wn, int64_t k_len, float* y, i
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  const char* next = reinterpret_cast<const char*>(wn + NB * k_len);  // as in rows(): the next NB rows
   for (int64_t k = 0; k < full; k += 32) {
-    prefetch_share(next, k * NB * 2, (k + 32) * NB * 2);
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wn + j * k_len + k);
     for (int m = 0; m < M; ++m) {
