@@ -198,8 +198,9 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
             drafts = tok.predict(outs[0][:, length - 1:t - 2])  # entry e predicts token e + 2
             first[name].append((drafts == tokens[:, length + 1:]).float().flatten())
             steps = [outs[0][:, starts]] + outs[1:]  # draft j of the round starting at each chain start
-            chain = torch.stack([tok.predict(steps[j])[0] == tokens[0, starts + j + 2] for j in range(top)], dim=1)
-            surest = torch.stack([tok.logits(steps[j])[0].float().softmax(-1).amax(-1) for j in range(top)], dim=1)
+            drafted = [tok.predict_sure(steps[j]) for j in range(top)]  # (ids, top-1 probability) per draft j
+            chain = torch.stack([ids[0] == tokens[0, starts + j + 2] for j, (ids, _) in enumerate(drafted)], dim=1)
+            surest = torch.stack([sure[0] for _, sure in drafted], dim=1)
             for g in gammas:
                 rounds[name][g] += accepted_per_round(chain, g)
                 for at in STOP_AT:

@@ -142,7 +142,14 @@ class TokenHead:
 
     def predict(self, features: torch.Tensor) -> torch.Tensor:
         """Token ids (in the full vocabulary) of the argmax."""
-        best = self.logits(features).argmax(-1)
+        return self._ids_of(self.logits(features).argmax(-1))
+
+    def predict_sure(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`predict` and the argmax's softmax probability (what a drafter's ``draft_confidence`` reads)."""
+        sure, best = self.logits(features).float().softmax(-1).max(-1)
+        return self._ids_of(best), sure
+
+    def _ids_of(self, best: torch.Tensor) -> torch.Tensor:
         return best if self.ids is None else self.ids[best]
 
 
