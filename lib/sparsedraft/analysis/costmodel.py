@@ -258,6 +258,22 @@ def confidence_alphas(rounds: Rounds, gamma: int) -> tuple[float, float]:
     return rate["sure"], rate["unsure"]
 
 
+def stop_acceptance(options: Mapping[str, Any], rounds: Rounds) -> dict[str, float] | None:
+    """For a run with ``draft_confidence`` in its ``options``: the full target's acceptance of the tokens the
+    proposer was sure of (``sure``) and of the one each stopped proposal ended on (``stopped_after``), from its
+    ``rounds`` at that level (:func:`confidence_alphas`, γ the proposals' own: ``gamma2`` for three levels);
+    None for any other run or one without drafts."""
+    if not options.get("draft_confidence") or not round_lengths(rounds):
+        return None
+    sure, unsure = confidence_alphas(rounds, _outer_gamma(options))
+    return {"sure": sure, "stopped_after": unsure}
+
+
+def _outer_gamma(options: Mapping[str, Any]) -> int:
+    """γ of the proposals the full target verifies: ``gamma2`` for three levels, else ``gamma``."""
+    return int(options["gamma2"] if "gamma2" in options else options["gamma"])
+
+
 def stopped_tokens_per_verify(rounds: Rounds, gamma: int) -> float:
     """E[accepted + 1] per verification of such a run: each round at the length it had, its sure tokens
     accepted i.i.d. at α_sure and the token it stopped after at α_unsure (:func:`confidence_alphas`)."""
@@ -377,7 +393,7 @@ def predicted_speedup(options: Mapping[str, Any], seconds: Mapping[str, float], 
             inner_ms = (drafted[RETRIEVAL_LEVEL] * costs.draft_ms
                         + verifications[RETRIEVAL_LEVEL] * costs.retrieval_ms) / outer
             prediction = Prediction(inner_ms + costs.target_ms + overhead,
-                                    stopped_tokens_per_verify(rounds[TARGET], int(options["gamma2"])),
+                                    stopped_tokens_per_verify(rounds[TARGET], _outer_gamma(options)),
                                     costs.target_ms)
         else:
             prediction = predict_ms_per_token(costs, int(options["gamma1"]), int(options["gamma2"]),
@@ -390,7 +406,7 @@ def predicted_speedup(options: Mapping[str, Any], seconds: Mapping[str, float], 
         if options.get("draft_confidence"):  # proposals ended early: the run's own drafting per round
             verify_ms = 1000 * verify_s / forwards
             prediction = Prediction(1000 * draft_s / forwards + verify_ms + overhead,
-                                    stopped_tokens_per_verify(rounds[TARGET], int(options["gamma"])), verify_ms)
+                                    stopped_tokens_per_verify(rounds[TARGET], _outer_gamma(options)), verify_ms)
         else:
             prediction = predict_two_level(1000 * draft_s / drafted[TARGET], 1000 * verify_s / forwards,
                                            int(options["gamma"]), fit_alpha(rounds[TARGET]), overhead_ms=overhead)

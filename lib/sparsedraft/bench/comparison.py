@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..analysis.costmodel import confidence_alphas, predicted_speedup, round_lengths
+from ..analysis.costmodel import predicted_speedup, stop_acceptance
 from ..engine import machine, weights
 from ..engine.data import SPLITS, bench_prompt
 from ..engine.model import Transformer
@@ -264,17 +264,6 @@ class CompareResult:
         return "\n".join(lines)
 
 
-def _stop_acceptance(row: MethodRow, opts: Any) -> dict[str, float] | None:
-    """For a run whose proposals to the full target stopped on their proposer's confidence (``draft_confidence``):
-    how often the target kept the tokens the proposer was sure of and the token it stopped after
-    (:func:`~sparsedraft.analysis.costmodel.confidence_alphas`); None for any other run."""
-    if opts is None or not getattr(opts, "draft_confidence", 0.0) or not round_lengths(row.rounds.get(TARGET, {})):
-        return None
-    gamma = getattr(opts, "gamma2", getattr(opts, "gamma", None))
-    sure, unsure = confidence_alphas(row.rounds[TARGET], int(gamma))
-    return {"sure": sure, "stopped_after": unsure}
-
-
 def _row(label: str, runs: list[DecodeResult], baseline: list[DecodeResult], check_tokens: bool,
          options: dict[str, Any]) -> MethodRow:
     ms = statistics.median(r.ms_per_token for r in runs)
@@ -379,7 +368,8 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
     read_bw, peaks = measure_read_bandwidth(device), machine.peak_gflops([config.dtype], device, config.peak_s)
     if config.batch == 1:  # a batch's regions are its slowest row's, its counts every row's: no model for that
         rows = [dataclasses.replace(row, predicted_speedup=_predicted(row, opts, rows[0].ms_per_token),
-                                    stop_acceptance=_stop_acceptance(row, opts))
+                                    stop_acceptance=None if opts is None else stop_acceptance(
+                                        _model_options(opts), row.rounds.get(TARGET, {})))
                 for row, opts in zip(rows, [None, *options])]
     if config.batch == 1 and config.quant == "none":  # int8 weights: roofline.py counts bytes at the dtype's width
         rows = [dataclasses.replace(row, steps=_steps(target, config, row, opts, read_bw, peaks[config.dtype]))
@@ -388,12 +378,16 @@ def compare(config: CompareConfig, progress: bool = False, target: Transformer |
                          ", ".join(loaded) or None, rss, read_bw / 1e9, path.to_dict(), peaks)
 
 
+def _model_options(opts: Any) -> dict[str, Any]:
+    """The options the cost model reads, from a method's options object."""
+    return {k: getattr(opts, k) for k in ("gamma", "gamma1", "gamma2", "draft_confidence") if hasattr(opts, k)}
+
+
 def _predicted(row: MethodRow, opts: Any, baseline_ms: float) -> float | None:
     if opts is None:
         return None
-    gammas = {k: getattr(opts, k) for k in ("gamma", "gamma1", "gamma2", "draft_confidence") if hasattr(opts, k)}
-    return predicted_speedup(gammas, row.seconds, row.drafted, row.verifications, row.rounds, row.decode_s,
-                             baseline_ms)
+    return predicted_speedup(_model_options(opts), row.seconds, row.drafted, row.verifications, row.rounds,
+                             row.decode_s, baseline_ms)
 
 
 def _steps(target: Transformer, config: CompareConfig, row: MethodRow, opts: Any, read_bw: float,
