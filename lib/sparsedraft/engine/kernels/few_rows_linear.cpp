@@ -95,6 +95,25 @@ inline __m256 load8(const int8_t* p) {  // 8 int8 codes -> 8 fp32
 }
 #endif
 
+#if defined(__AVX512F__) || defined(SPARSEDRAFT_AVX2)
+// reduce_lanes's tree without leaving registers: lanes l and l + 8 (the two 256-bit halves, or AVX2's two
+// registers), then l and l + 4, then l and l + 2, then the two left. The same adds of the same pairs, so the
+// same bits, without a store and fifteen scalar adds per output (a third of a 7-row fp32 step went there).
+inline float reduce_halves(__m256 a) {  // a[l] = lanes l + l + 8
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+#endif
+#if defined(__AVX512F__)
+inline float reduce16(__m512 v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return reduce_halves(_mm256_add_ps(_mm512_castps512_ps256(v), high));
+}
+#elif defined(SPARSEDRAFT_AVX2)
+inline float reduce16(__m256 lo, __m256 hi) { return reduce_halves(_mm256_add_ps(lo, hi)); }
+#endif
+
 #if defined(SPARSEDRAFT_AVX2)
 // NB weight rows from wn (k_len apart) against M rows of xf, into y[m * n_len + j]. The 16 lanes are two
 // 8-float registers (lanes 0-7, 8-15); 16 registers hold the NB * 2 * M accumulators, NB * 2 weight
@@ -107,11 +126,12 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
     for (int m = 0; m < M; ++m) lo[j][m] = hi[j][m] = _mm256_setzero_ps();
   const char* next = reinterpret_cast<const char*>(wn + NB * k_len);  // the next NB rows, contiguous after these
   for (int64_t k = 0; k < full; k += kLanes) {
-    // While these rows stream, ask for the next group's: NB cache lines per NB * 64 bytes consumed. The
-    // hardware prefetcher cannot lock onto rows this short (an int8 row of 576 codes is 9 cache lines), and
-    // without this the int8 and bf16 paths read at half fp32's rate on AVX2 machines. (The AVX-512 and tile
-    // paths ask for nothing: GCC 12 had compiled their prefetches away, and made to run they were slower.)
-    for (int j = 0; j < NB; ++j) prefetch_once(next + (k * NB + j * kLanes) * sizeof(W));
+    // While these rows stream, ask for the next group's into L2: NB cache lines per NB * 64 bytes consumed.
+    // The hardware prefetcher cannot lock onto rows this short (an int8 row of 576 codes is 9 cache lines),
+    // and without this the int8 and bf16 paths read at half fp32's rate on an AVX2 machine. The non-temporal
+    // form this used before (prefetchnta) made one fp32 row 2.5x slower than this on an AMX Xeon forced onto
+    // this path. (The AVX-512 path asks for the same share, below; the tile path asks for nothing.)
+    for (int j = 0; j < NB; ++j) prefetch_l2(next + (k * NB + j * kLanes) * sizeof(W));
     __m256 wl[NB], wh[NB];
     for (int j = 0; j < NB; ++j) {
       wl[j] = load8(wn + j * k_len + k);
@@ -126,6 +146,10 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
     }
   }
   for (int j = 0; j < NB; ++j) {
+    if (full == k_len) {
+      for (int m = 0; m < M; ++m) y[m * n_len + j] = reduce16(lo[j][m], hi[j][m]);
+      continue;
+    }
     alignas(32) float lanes[M][kLanes];
     for (int m = 0; m < M; ++m) {
       _mm256_store_ps(lanes[m], lo[j][m]);
@@ -184,6 +208,12 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
       for (int j = 0; j < NB; ++j)
         for (int m = 0; m < M; ++m) vacc[j][m] = _mm512_setzero_ps();
       for (int64_t k = 0; k < full; k += kLanes) {
+        // The next group's share into L2, NB lines per NB lines consumed: with several rows of x the hardware
+        // prefetcher alone left the stream waiting on memory between multiply-adds (7 fp32 rows took twice one
+        // row's time over SmolLM2's weights; with this, 1.25x).
+        if ((k * sizeof(W)) % 64 == 0)
+          for (int j = 0; j < NB; ++j)
+            prefetch_l2(reinterpret_cast<const char*>(wn + NB * k_len + k * NB) + j * 64);
         __m512 wv[NB];
         for (int j = 0; j < NB; ++j) wv[j] = load16(wn + j * k_len + k);
         for (int m = 0; m < M; ++m) {
@@ -192,6 +222,10 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
         }
       }
       for (int j = 0; j < NB; ++j) {
+        if (full == k_len) {
+          for (int m = 0; m < M; ++m) yf[m * n_len + n + j] = reduce16(vacc[j][m]);
+          continue;
+        }
         alignas(64) float lanes[M][kLanes];
         for (int m = 0; m < M; ++m) _mm512_store_ps(lanes[m], vacc[j][m]);
         for (int64_t k = full; k < k_len; ++k) {
@@ -206,8 +240,13 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
     __m512 vacc[M];
     for (int m = 0; m < M; ++m) vacc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < full; k += kLanes) {
+      if ((k * sizeof(W)) % 64 == 0) prefetch_l2(reinterpret_cast<const char*>(wn + k_len + k));
       const __m512 wv = load16(wn + k);
       for (int m = 0; m < M; ++m) vacc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * k_len + k), wv, vacc[m]);
+    }
+    if (full == k_len) {
+      for (int m = 0; m < M; ++m) yf[m * n_len + n] = reduce16(vacc[m]);
+      continue;
     }
     for (int m = 0; m < M; ++m) _mm512_store_ps(acc[m], vacc[m]);
 #elif defined(SPARSEDRAFT_AVX2)
@@ -315,6 +354,10 @@ void dot_block(const uint16_t* x, const uint16_t* wn, int64_t k_len, float* y, i
     }
   }
   for (int j = 0; j < NB; ++j) {
+    if (full == k_len) {
+      for (int m = 0; m < M; ++m) y[m * n_len + j] = reduce16(acc[j][m]);
+      continue;
+    }
     alignas(64) float lanes[M][kLanes];
     for (int m = 0; m < M; ++m) _mm512_store_ps(lanes[m], acc[j][m]);
     for (int64_t k = full; k < k_len; ++k) {

@@ -15,5 +15,3 @@
 
 // Ask for the cache line holding p into L2 (more misses in flight than L1's fill buffers allow).
 inline void prefetch_l2(const char* p) { SPARSEDRAFT_PREFETCH("prefetcht1", p, 2); }
-// ... past the caches' usual placement (data read once).
-inline void prefetch_once(const char* p) { SPARSEDRAFT_PREFETCH("prefetchnta", p, 0); }
