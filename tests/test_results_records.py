@@ -74,6 +74,15 @@ def test_the_model_cell_names_a_dtype_other_than_fp32(tmp_path):
     assert "| smollm2-135m bf16 |" in render_table([("tri.json", record)])
 
 
+def test_the_context_cell_names_a_prompt_window_other_than_the_first(tmp_path):
+    record = _record(tmp_path)
+    record.update(commit="0123456789abcdef", dirty=False, date="2026-12-03T21:00:00Z")
+    n = f"{record['result']['prompt_len']:,}"
+    assert f"| {n} |" in render_table([("tri.json", record)])  # no variant in the config: window 0
+    record["result"]["config"]["variant"] = 1
+    assert f"| {n} (window 1) |" in render_table([("tri.json", record)])
+
+
 @pytest.mark.parametrize("field", ["commit", "date", "machine", "command"])
 def test_a_record_missing_a_field_is_refused(tmp_path, field):
     _record(tmp_path, drop=field)

@@ -180,8 +180,10 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
         law = "greedy" if c["temperature"] == 0 else f"T {c['temperature']}, top-p {c['top_p']}"
         options = _options(row, resolved)
         dtype = c.get("dtype", "fp32")  # the model cell names a dtype other than fp32 (records before it: fp32)
+        window = c.get("variant", 0)  # the context cell names the prompt when it is not its split's first window
         out.append([f"{row['method']} ({options})" if options else row["method"],
-                    c["model"] if dtype == "fp32" else f"{c['model']} {dtype}", f"{result['prompt_len']:,}",
+                    c["model"] if dtype == "fp32" else f"{c['model']} {dtype}",
+                    f"{result['prompt_len']:,}" + (f" (window {window})" if window else ""),
                     f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
                     f"{row['ms_per_token']:.1f}",
                     f"**{row['speedup']:.2f}x**{_predicted(row, resolved.get(row['method']), c.get('batch', 1))}",
