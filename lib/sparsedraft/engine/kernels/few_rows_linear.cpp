@@ -24,6 +24,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -36,6 +37,13 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kGrain = 16;  // weight rows per parallel work item
+constexpr int64_t kAheadBytes = 4096;  // how far ahead of the weight rows in use the vector paths ask for more
+
+// Rows ahead of the current group whose share is asked for: the next group, or further when a group is
+// shorter than kAheadBytes (one bf16 row of 576 is 1152 bytes: one row ahead arrived late with several x rows).
+inline int64_t ahead_rows(int64_t group, int64_t row_bytes) {
+  return std::max<int64_t>(group, (kAheadBytes + row_bytes - 1) / row_bytes);
+}
 
 inline float madd(float a, float b, float c) {
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
@@ -124,13 +132,14 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
   __m256 lo[NB][M], hi[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) lo[j][m] = hi[j][m] = _mm256_setzero_ps();
-  const char* next = reinterpret_cast<const char*>(wn + NB * k_len);  // the next NB rows, contiguous after these
+  // the rows ahead_rows() ahead: the next group, contiguous after these, or further for short rows
+  const char* next = reinterpret_cast<const char*>(wn + ahead_rows(NB, k_len * sizeof(W)) * k_len);
   for (int64_t k = 0; k < full; k += kLanes) {
     // While these rows stream, ask for the next group's into L2: NB cache lines per NB * 64 bytes consumed.
     // The hardware prefetcher cannot lock onto rows this short (an int8 row of 576 codes is 9 cache lines),
     // and without this the int8 and bf16 paths read at half fp32's rate on an AVX2 machine. The non-temporal
     // form this used before (prefetchnta) made one fp32 row 2.5x slower than this on an AMX Xeon forced onto
-    // this path. (The AVX-512 path asks for the same share, below; the tile path asks for nothing.)
+    // this path. (The AVX-512 and AVX512-BF16 paths ask the same way, below; the tile path asks for nothing.)
     for (int j = 0; j < NB; ++j) prefetch_l2(next + (k * NB + j * kLanes) * sizeof(W));
     __m256 wl[NB], wh[NB];
     for (int j = 0; j < NB; ++j) {
@@ -195,14 +204,17 @@ template <int M, typename W>
 void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, float* yf, int64_t n_len,
           bool paired) {
   const int64_t full = k_len - k_len % kLanes;
+#if defined(__AVX512F__)
+  // NB weight rows side by side: more loads in flight and each x load feeds NB multiply-adds; the
+  // order of operations for one (row, output) pair stays the same. NB shrinks as M grows so that
+  // NB * M accumulators fit the 32 vector registers.
+  constexpr int NB = M <= 4 ? 4 : (M <= 12 ? 2 : 1);
+  const int64_t ahead = ahead_rows(NB, k_len * sizeof(W)), ahead1 = ahead_rows(1, k_len * sizeof(W));
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     const W* wn = w + n * k_len;
     alignas(64) float acc[M][kLanes];
 #if defined(__AVX512F__)
-    // NB weight rows side by side: more loads in flight and each x load feeds NB multiply-adds; the
-    // order of operations for one (row, output) pair stays the same. NB shrinks as M grows so that
-    // NB * M accumulators fit the 32 vector registers.
-    constexpr int NB = M <= 4 ? 4 : (M <= 12 ? 2 : 1);
     if (NB > 1 && n + NB <= n1) {
       __m512 vacc[NB][M];
       for (int j = 0; j < NB; ++j)
@@ -213,7 +225,7 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
         // row's time over SmolLM2's weights; with this, 1.25x).
         if ((k * sizeof(W)) % 64 == 0)
           for (int j = 0; j < NB; ++j)
-            prefetch_l2(reinterpret_cast<const char*>(wn + NB * k_len + k * NB) + j * 64);
+            prefetch_l2(reinterpret_cast<const char*>(wn + ahead * k_len + k * NB) + j * 64);
         __m512 wv[NB];
         for (int j = 0; j < NB; ++j) wv[j] = load16(wn + j * k_len + k);
         for (int m = 0; m < M; ++m) {
@@ -240,7 +252,7 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
     __m512 vacc[M];
     for (int m = 0; m < M; ++m) vacc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < full; k += kLanes) {
-      if ((k * sizeof(W)) % 64 == 0) prefetch_l2(reinterpret_cast<const char*>(wn + k_len + k));
+      if ((k * sizeof(W)) % 64 == 0) prefetch_l2(reinterpret_cast<const char*>(wn + ahead1 * k_len + k));
       const __m512 wv = load16(wn + k);
       for (int m = 0; m < M; ++m) vacc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * k_len + k), wv, vacc[m]);
     }
@@ -345,7 +357,11 @@ void dot_block(const uint16_t* x, const uint16_t* wn, int64_t k_len, float* y, i
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  // The share of the rows ahead_rows() ahead, one line per row per step: without it, 3 rows of x over bf16
+  // weights streamed from memory took twice one row's time (on an AMX machine with the tiles turned off).
+  const char* next = reinterpret_cast<const char*>(wn + ahead_rows(NB, k_len * sizeof(uint16_t)) * k_len);
   for (int64_t k = 0; k < full; k += 32) {
+    for (int j = 0; j < NB; ++j) prefetch_l2(next + (k * NB) * sizeof(uint16_t) + j * 64);
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wn + j * k_len + k);
     for (int m = 0; m < M; ++m) {
