@@ -305,6 +305,13 @@ void tile_rows(const uint16_t* xv, const uint16_t* w, int64_t k_len, int64_t m_l
   configure_tiles();
   for (int64_t n = n0; n < n1; n += 16) {
     const uint16_t* wn = w + n * k_len;
+    // The next block of 16 rows (contiguous after this one) is asked for in step with this one's k, a
+    // share per step: the tile loads' 16 strided streams alone left the multiply waiting on memory.
+    const char* next = n + 16 < n1 ? reinterpret_cast<const char*>(wn + 16 * k_len) : nullptr;
+    const auto ask = [&](int64_t k0, int64_t k1) {
+      if (next != nullptr)
+        for (int64_t b = 32 * k0; b < 32 * k1; b += 64) prefetch_l2(next + b);  // 32 bytes of block per k
+    };
     if (n + 16 > n1) {
       pad.assign(16 * k_len, 0);
       std::memcpy(pad.data(), wn, (n1 - n) * k_len * sizeof(uint16_t));
@@ -314,6 +321,7 @@ void tile_rows(const uint16_t* xv, const uint16_t* w, int64_t k_len, int64_t m_l
     _tile_zero(1);
     int64_t k = 0;  // two accumulators over alternate 32-k steps keep two products in flight; fixed order
     for (; k + 64 <= k_len; k += 64) {
+      ask(k, k + 64);
       _tile_loadd(2, wn + k, k_len * 2);
       _tile_loadd(4, xv + k * 16, 64);
       _tile_dpbf16ps(0, 2, 4);
@@ -322,6 +330,7 @@ void tile_rows(const uint16_t* xv, const uint16_t* w, int64_t k_len, int64_t m_l
       _tile_dpbf16ps(1, 3, 5);
     }
     if (k < k_len) {
+      ask(k, k_len);
       _tile_loadd(2, wn + k, k_len * 2);
       _tile_loadd(4, xv + k * 16, 64);
       _tile_dpbf16ps(0, 2, 4);
