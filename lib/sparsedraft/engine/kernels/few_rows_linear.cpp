@@ -306,7 +306,8 @@ void tile_rows(const uint16_t* xv, const uint16_t* w, int64_t k_len, int64_t m_l
   for (int64_t n = n0; n < n1; n += 16) {
     const uint16_t* wn = w + n * k_len;
     // The next block of 16 rows (contiguous after this one) is asked for in step with this one's k, a
-    // share per step: the tile loads' 16 strided streams alone left the multiply waiting on memory.
+    // share per step, as the vector paths do: 5-10% off a step whose weights come from memory (scratch in
+    // the message of the commit that added it), the 16 strided tile-load streams being otherwise unaided.
     const char* next = n + 16 < n1 ? reinterpret_cast<const char*>(wn + 16 * k_len) : nullptr;
     const auto ask = [&](int64_t k0, int64_t k1) {
       if (next != nullptr)
