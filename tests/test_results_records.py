@@ -173,10 +173,11 @@ def _curve_run(outputs, commit="fedcba9876543210", machine=True):
         "32000,prompt lookup,1.4,107.0,150.0,0.75,0.9,True,20.5\n"
         "32000,feature drafter,0.9,166.7,150.0,0.3,0.9,True,20.5\n")
     (run / "level2_race.csv").write_text(
-        "context,draft_weights,speedup,ms_per_token,ar_ms_per_token,level2_step_over_decode,acceptance_level2,"
-        "acceptance_target,tokens_match,read_gb_s\n"
-        "32000,same,1.38,108.7,150.0,0.4,0.75,0.9,True,20.5\n"
-        "32000,int8,1.6,93.8,150.0,0.3,0.74,0.9,True,20.5\n")
+        "context,draft_weights,draft_confidence,speedup,ms_per_token,ar_ms_per_token,level2_step_over_decode,"
+        "acceptance_level2,acceptance_target,tokens_match,read_gb_s\n"
+        "32000,same,0.0,1.38,108.7,150.0,0.4,0.75,0.9,True,20.5\n"
+        "32000,int8,0.0,1.6,93.8,150.0,0.3,0.74,0.9,True,20.5\n"
+        "32000,int8,0.3,1.9,78.9,150.0,0.3,0.74,0.97,True,20.5\n")
     return run
 
 
@@ -190,11 +191,15 @@ def test_the_curve_record_takes_each_context_best_rows_and_the_race_from_noteboo
     rows = record["result"]["rows"]
     assert [(r["context"], r["method"], r["options"].get("draft")) for r in rows] == [
         (8000, "triforce", "ngram"), (8000, "retrieval", None), (32000, "triforce", "ngram"),
-        (32000, "retrieval", None), (32000, "triforce", "feature"), (32000, "triforce", "ngram")]
-    assert rows[-1]["options"]["draft_weights"] == "int8" and rows[-1]["level2_step_over_decode"] == 0.3
+        (32000, "retrieval", None), (32000, "triforce", "feature"), (32000, "triforce", "ngram"),
+        (32000, "triforce", "ngram")]
+    quantised, stopped = rows[-2:]
+    assert quantised["options"]["draft_weights"] == "int8" and quantised["level2_step_over_decode"] == 0.3
+    assert "draft_confidence" not in quantised["options"] and stopped["options"]["draft_confidence"] == 0.3
+    assert stopped["speedup"] == 1.9 and stopped["options"]["draft_weights"] == "int8"
     assert rows[0]["ms_per_token"] == 40.0 and rows[0]["options"]["gamma1"] == 2  # the best, not the first, setting
     lines = render_table(load_records(tmp_path / "results")).splitlines()
-    assert len(lines) == 2 + 6
+    assert len(lines) == 2 + 7
     assert "| 8,000 | 128 greedy | 60.0 | 40.0 | **1.50x** (model 1.60x) | 0.70 / 0.95 | yes | 2026-12-04, fedcba9 |" \
         in lines[2]
 

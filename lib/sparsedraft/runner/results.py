@@ -56,7 +56,8 @@ def _row(method: str, options: dict[str, Any], context: int, run: dict[str, Any]
 def curve_rows(folder: Path) -> list[dict[str, Any]]:
     """Per context of notebook 05's run in ``folder``: TriForce's and retrieval's best greedy settings (TriForce
     with the cost model's prediction beside it), then TriForce with the feature drafter at level 1 and with
-    quantised level-2 weights (each against plain decoding in its own race)."""
+    quantised level-2 weights, also stopping on its own confidence where the run raced that (each against plain
+    decoding in its own race)."""
     best = read_table(folder / BEST)
     runs = [r for r in read_table(folder / RUNS) if r["decoding"] == "greedy"]
     race = read_table(folder / RACE) if (folder / RACE).is_file() else []
@@ -86,6 +87,8 @@ def curve_rows(folder: Path) -> list[dict[str, Any]]:
             if r["context"] == context and r["draft_weights"] != "same":
                 options = {"draft": "ngram", "budget": b["triforce_budget"], "gamma1": b["triforce_gamma1"],
                            "gamma2": b["triforce_gamma2"], "draft_weights": r["draft_weights"]}
+                if r.get("draft_confidence"):  # the row whose level 2 stops on its own confidence (runs before
+                    options["draft_confidence"] = r["draft_confidence"]  # it have no such column)
                 rows.append({**_row("triforce", options, context, r, tokens), "read_gb_s": r.get("read_gb_s"),
                              "level2_step_over_decode": r.get("level2_step_over_decode")})
     return rows
