@@ -127,13 +127,12 @@ inline float reduce16(__m256 lo, __m256 hi) { return reduce_halves(_mm256_add_ps
 // 8-float registers (lanes 0-7, 8-15); 16 registers hold the NB * 2 * M accumulators, NB * 2 weight
 // vectors and one row of x.
 template <int NB, int M, typename W>
-void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len) {
+void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len, int64_t ahead) {
   const int64_t full = k_len - k_len % kLanes;
   __m256 lo[NB][M], hi[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) lo[j][m] = hi[j][m] = _mm256_setzero_ps();
-  // the rows ahead_rows() ahead: the next group, contiguous after these, or further for short rows
-  const char* next = reinterpret_cast<const char*>(wn + ahead_rows(NB, k_len * sizeof(W)) * k_len);
+  const char* next = reinterpret_cast<const char*>(wn + ahead * k_len);  // the caller's ahead_rows() rows on
   for (int64_t k = 0; k < full; k += kLanes) {
     // While these rows stream, ask for the next group's into L2: NB cache lines per NB * 64 bytes consumed.
     // The hardware prefetcher cannot lock onto rows this short (an int8 row of 576 codes is 9 cache lines),
@@ -183,15 +182,15 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
 // paired wins from 9 (1.5x at 16).
 constexpr int kPairFrom = 8;
 template <int M, typename W>
-void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len, bool two) {
+void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len, bool two, int64_t ahead) {
   int64_t m = 0;
   for (; m + 2 <= M; m += 2) {
-    if (two) avx2_rows<2, 2>(xf + m * k_len, wn, k_len, y + m * n_len, n_len);
-    else avx2_rows<1, 2>(xf + m * k_len, wn, k_len, y + m * n_len, n_len);
+    if (two) avx2_rows<2, 2>(xf + m * k_len, wn, k_len, y + m * n_len, n_len, ahead);
+    else avx2_rows<1, 2>(xf + m * k_len, wn, k_len, y + m * n_len, n_len, ahead);
   }
   if (m < M) {
-    if (two) avx2_rows<2, 1>(xf + m * k_len, wn, k_len, y + m * n_len, n_len);
-    else avx2_rows<1, 1>(xf + m * k_len, wn, k_len, y + m * n_len, n_len);
+    if (two) avx2_rows<2, 1>(xf + m * k_len, wn, k_len, y + m * n_len, n_len, ahead);
+    else avx2_rows<1, 1>(xf + m * k_len, wn, k_len, y + m * n_len, n_len, ahead);
   }
 }
 #endif
@@ -208,8 +207,13 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
   // NB weight rows side by side: more loads in flight and each x load feeds NB multiply-adds; the
   // order of operations for one (row, output) pair stays the same. NB shrinks as M grows so that
   // NB * M accumulators fit the 32 vector registers.
+  // Each group of this call asks for the rows `ahead` past its own (worked out once per call, not per group).
   constexpr int NB = M <= 4 ? 4 : (M <= 12 ? 2 : 1);
-  const int64_t ahead = ahead_rows(NB, k_len * sizeof(W)), ahead1 = ahead_rows(1, k_len * sizeof(W));
+  const int64_t ahead = ahead_rows(NB, k_len * sizeof(W));
+#elif defined(SPARSEDRAFT_AVX2)
+  constexpr int NB = M == 1 ? 3 : (M <= 2 ? 2 : 1);
+  const bool pairs = M > kPairFrom && paired;  // two rows of x at a time over two weight rows (avx2_paired)
+  const int64_t ahead = ahead_rows(pairs ? 2 : NB, k_len * sizeof(W));
 #endif
   for (int64_t n = n0; n < n1; ++n) {
     const W* wn = w + n * k_len;
@@ -252,7 +256,7 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
     __m512 vacc[M];
     for (int m = 0; m < M; ++m) vacc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < full; k += kLanes) {
-      if ((k * sizeof(W)) % 64 == 0) prefetch_l2(reinterpret_cast<const char*>(wn + ahead1 * k_len + k));
+      if ((k * sizeof(W)) % 64 == 0) prefetch_l2(reinterpret_cast<const char*>(wn + ahead * k_len + k));
       const __m512 wv = load16(wn + k);
       for (int m = 0; m < M; ++m) vacc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * k_len + k), wv, vacc[m]);
     }
@@ -262,18 +266,17 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
     }
     for (int m = 0; m < M; ++m) _mm512_store_ps(acc[m], vacc[m]);
 #elif defined(SPARSEDRAFT_AVX2)
-    if (M > kPairFrom && paired) {
+    if (pairs) {
       const bool two = n + 2 <= n1;
-      avx2_paired<M>(xf, wn, k_len, yf + n, n_len, two);
+      avx2_paired<M>(xf, wn, k_len, yf + n, n_len, two, ahead);
       n += two ? 1 : 0;
       continue;
     }
-    constexpr int NB = M == 1 ? 3 : (M <= 2 ? 2 : 1);
     if (n + NB <= n1) {
-      avx2_rows<NB, M>(xf, wn, k_len, yf + n, n_len);
+      avx2_rows<NB, M>(xf, wn, k_len, yf + n, n_len, ahead);
       n += NB - 1;
     } else {
-      avx2_rows<1, M>(xf, wn, k_len, yf + n, n_len);
+      avx2_rows<1, M>(xf, wn, k_len, yf + n, n_len, ahead);
     }
     continue;
 #else
@@ -362,14 +365,14 @@ RowsFn<W> pick(int64_t m, std::integer_sequence<int, Ms...>) {
 // k = 32 j + 2 l, 32 j + 2 l + 1, in j order; the tail goes to lane (k - full) / 2 in k order, then the same
 // lane tree as the other paths. Half the instructions of widening to float32, and the same for every M.
 template <int M, int NB>
-void dot_block(const uint16_t* x, const uint16_t* wn, int64_t k_len, float* y, int64_t n_len) {
+void dot_block(const uint16_t* x, const uint16_t* wn, int64_t k_len, float* y, int64_t n_len, int64_t ahead) {
   const int64_t full = k_len - k_len % 32;
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  // The share of the rows ahead_rows() ahead, one line per row per step: without it, 3 rows of x over bf16
+  // The share of the rows `ahead` on (ahead_rows()), one line per row per step: without it, 3 rows of x over bf16
   // weights streamed from memory took twice one row's time (on an AMX machine with the tiles turned off).
-  const char* next = reinterpret_cast<const char*>(wn + ahead_rows(NB, k_len * sizeof(uint16_t)) * k_len);
+  const char* next = reinterpret_cast<const char*>(wn + ahead * k_len);
   for (int64_t k = 0; k < full; k += 32) {
     for (int j = 0; j < NB; ++j) prefetch_l2(next + (k * NB) * sizeof(uint16_t) + j * 64);
     __m512bh wv[NB];
@@ -402,9 +405,10 @@ template <int M>
 void dot_rows(const uint16_t* x, const uint16_t* w, int64_t k_len, int64_t n0, int64_t n1, float* yf,
               int64_t n_len) {
   constexpr int NB = M == 1 ? 4 : 1;
+  const int64_t ahead = ahead_rows(NB, k_len * sizeof(uint16_t));  // once per call, for every group
   int64_t n = n0;
-  for (; n + NB <= n1; n += NB) dot_block<M, NB>(x, w + n * k_len, k_len, yf + n, n_len);
-  for (; n < n1; ++n) dot_block<M, 1>(x, w + n * k_len, k_len, yf + n, n_len);
+  for (; n + NB <= n1; n += NB) dot_block<M, NB>(x, w + n * k_len, k_len, yf + n, n_len, ahead);
+  for (; n < n1; ++n) dot_block<M, 1>(x, w + n * k_len, k_len, yf + n, n_len, ahead);
 }
 
 using DotFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, int64_t);
