@@ -98,12 +98,11 @@ template <class O>
 inline typename O::V exp2_nonpositive_lanes(typename O::V x) {
   using V = typename O::V;
   const V xc = O::max(x, O::set(-127.0f));
-  const V magic = O::set(12582912.0f);
-  const V n = O::sub(O::add(xc, magic), magic);
+  const V n = O::nearest(xc);
   const V f = O::sub(xc, n);
   V p = O::set(kExp2Poly[0]);
   for (int i = 1; i < 8; ++i) p = O::fmadd(p, f, O::set(kExp2Poly[i]));
-  return O::zero_below(O::mul(p, O::pow2(n)), x, -126.0f);
+  return O::zero_below(O::times_pow2(p, n), x, -126.0f);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -115,9 +114,13 @@ struct Lanes8 {
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V pow2(V n) {  // 2^n for whole n in [-127, 0], through the exponent bits
+  static V nearest(V x) {  // x rounded to a whole number, ties to even, by the 1.5 * 2^23 trick
+    const V magic = set(12582912.0f);
+    return sub(add(x, magic), magic);
+  }
+  static V times_pow2(V p, V n) {  // p * 2^n for whole n in [-127, 0], 2^n through the exponent bits
     const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+    return mul(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
   }
   static V zero_below(V y, V x, float t) {
     return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, set(t), _CMP_LT_OQ));
@@ -134,10 +137,10 @@ struct Lanes16 {
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V pow2(V n) {
-    const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-  }
+  // One instruction each where Lanes8 takes three: the same whole number (ties to even) and the same product
+  // (p * 2^n is exact, or rounds alike, wherever zero_below keeps it), so the same bits.
+  static V nearest(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
   static V zero_below(V y, V x, float t) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set(t), _CMP_LT_OQ), y, _mm512_setzero_ps());
   }
@@ -445,8 +448,18 @@ struct Scratch {  // per thread, reused across calls
   std::vector<float> scores, keys, values, row, keys_t;
   std::vector<uint16_t> tiles;  // the tile path's key tail, weights and paired values
   std::vector<float> dequantized;  // the int8 path's block of keys or values as floats
+  std::vector<float> weights;  // the tile path's softmax weights, keys as lanes [R][kChunk]
   std::vector<int64_t> seen;
 };
+
+// n elements of buf from a cache-line boundary, the buffer grown to hold them: a 64-byte store, load or tile row
+// that straddles two lines costs two (aligning the tile path's buffers took a tenth off its time).
+template <typename T>
+T* on_lines(std::vector<T>& buf, int64_t n) {
+  const int64_t pad = 64 / sizeof(T);
+  if (static_cast<int64_t>(buf.size()) < n + pad) buf.resize(n + pad);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+}
 
 template <typename scalar_t>
 const float* as_floats(const scalar_t* src, int64_t n, std::vector<float>& buf);
@@ -538,8 +551,7 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
                           float* m, float* l) {
   const int64_t D = sh.D, rp = sh.rp, R = sh.R;
   if (static_cast<int64_t>(scratch.keys_t.size()) < D * kKeyStride) scratch.keys_t.assign(D * kKeyStride, 0.0f);
-  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
-  float* s = scratch.scores.data();  // [R][kChunk]
+  float* s = on_lines(scratch.scores, kChunk * rp);  // [R][kChunk]
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
   const char* values = reinterpret_cast<const char*>(vc);
   const char* next_keys = reinterpret_cast<const char*>(next_k);
@@ -619,8 +631,7 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
     attend_chunk_by_keys(sh, qt, kc, vc, c0, len, next_k, next_len, scratch, o, m, l);
     return;
   }
-  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
-  float* s = scratch.scores.data();
+  float* s = on_lines(scratch.scores, kChunk * rp);
 
   const float* k = as_floats(kc, len * D, scratch.keys);
   score(qt, k, s, D, rp, len, reinterpret_cast<const char*>(vc), D * static_cast<int64_t>(sizeof(scalar_t)));
@@ -639,13 +650,15 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
 // AMX tiles for bf16 caches (built where the compiler targets AMX-BF16, run once the OS grants the
 // tile state). A tile product adds each (row, column)'s products in one fixed order whatever else the
 // tile holds, so padding rows and keys never change a row's bits, and a decode and a verification of
-// the same rows agree exactly, as on the other paths (with other bits: q is multiplied unscaled and the
-// softmax weights are rounded to bf16 before they weigh the values, as flash attention does on GPUs).
+// the same rows agree exactly, as on the other paths (with other bits: q is multiplied unscaled, each row's
+// sum of exponentials is 16 lane sums joined by a tree, and the softmax weights are rounded to bf16 before
+// they weigh the values, as flash attention does on GPUs).
 //
 // Scores come out transposed, s^T = K Q^T, so the cached keys load into tiles as they lie (16 keys x 32
-// dims per tile) and only the small query block is rearranged (pack_operand, once per call). The weighted
-// sum o = P V takes P [rows][keys] from the row layout's softmax by a 16x16 transpose per block, and
-// the values with key pairs interleaved (the tile unit's operand layout), made per chunk.
+// dims per tile) and only the small query block is rearranged (pack_operand, once per call). A 16x16
+// transpose per block turns them into rows of keys, where the softmax runs over the rows that exist
+// (softmax_tiles) and the weights P [rows][keys] are the first operand of the weighted sum o = P V as they
+// lie; the values go in with key pairs interleaved (the tile unit's operand layout), made per chunk.
 
 // out[c] = column c of the 16x16 block in[0..15] (rows to columns), exactly.
 inline void transpose16(const __m512 in[16], __m512 out[16]) {
@@ -665,36 +678,105 @@ inline void transpose16(const __m512 in[16], __m512 out[16]) {
   }
 }
 
-// pt[r][j] = bf16(s[j][r]) for rows r < rp and keys j < n32 (s's rows from len on count as zero).
-void weights_by_rows(const float* s, int64_t rp, int64_t len, int64_t n32, uint16_t* pt) {
-  __m512 in[16], lo[16], hi[16];
-  for (int64_t v0 = 0; v0 < rp; v0 += 16)
-    for (int64_t j0 = 0; j0 < n32; j0 += 32) {
-      for (int half = 0; half < 2; ++half) {
-        for (int i = 0; i < 16; ++i) {
-          const int64_t j = j0 + half * 16 + i;
-          in[i] = j < len ? _mm512_loadu_ps(s + j * rp + v0) : _mm512_setzero_ps();
-        }
-        transpose16(in, half == 0 ? lo : hi);
-      }
-      for (int r = 0; r < 16; ++r)
-        _mm512_storeu_si512(pt + (v0 + r) * kChunk + j0, (__m512i)_mm512_cvtne2ps_pbh(hi[r], lo[r]));
+// st[r][j] = s[j][r] * qscale for the rows of each block of 16 up to rp that has rows below R, keys j < len
+// (kChunk apart): the tile scores turned into the keys-as-lanes layout, so the softmax runs over the rows that
+// exist (a decode's 3 of 16 lanes in the row layout). Scaled after the transpose: the product rounds as before.
+void scores_by_keys(const float* s, int64_t rp, int64_t R, int64_t len, float qscale, float* st) {
+  const __m512 scale = _mm512_set1_ps(qscale);
+  __m512 in[16], out[16];
+  for (int64_t v0 = 0; v0 < R; v0 += 16)
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      for (int i = 0; i < 16; ++i) in[i] = j0 + i < len ? _mm512_loadu_ps(s + (j0 + i) * rp + v0) : _mm512_setzero_ps();
+      transpose16(in, out);
+      for (int64_t r = 0; r < 16 && v0 + r < R; ++r) _mm512_storeu_ps(st + (v0 + r) * kChunk + j0, _mm512_mul_ps(out[r], scale));
     }
 }
 
-// vv[p][d][e] = v[2p + e][d] for key pairs p < n32 / 2 (keys from len on are zero).
-void pair_values(const uint16_t* v, int64_t len, int64_t n32, int64_t D, uint16_t* vv) {
-  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
-  for (int64_t j = 0; j < n32; j += 2)
+// The tile path's softmax over one chunk, keys as lanes (st[r][kChunk]): for each row r < R its unseen keys
+// masked, the max, the exponentials in place, and their sum as 16 lane sums (lane x adding keys x, x + 16, ...
+// in order) joined by one fixed tree. A row's operations depend on its own scores and bound alone, so a decode
+// and a verification give it the same bits; the tree's order is this path's own (the vector paths add each
+// row's keys in order), as the tile products are. In the row layout a verification's 21 rows took 32 lanes of
+// exponentials and one dependent chain of adds per lane. Returns the keys every row sees; scratch.seen holds
+// each row's count.
+int64_t softmax_tiles(const Shape& sh, float* st, int64_t c0, int64_t len, Scratch& scratch, float* m, float* l) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t R = sh.R, blocks = (len + 15) / 16;
+  int64_t seen_by_all = len;
+  scratch.seen.resize(R);
+  int64_t* seen = scratch.seen.data();
+  for (int64_t r = 0; r < R; ++r) {
+    seen[r] = std::clamp<int64_t>(sh.visible(r) - c0, 0, len);
+    seen_by_all = std::min(seen_by_all, seen[r]);
+    float* sr = st + r * kChunk;
+    std::fill(sr + seen[r], sr + blocks * 16, kNegInf);
+    __m512 top[4] = {_mm512_set1_ps(kNegInf), _mm512_set1_ps(kNegInf), _mm512_set1_ps(kNegInf),
+                     _mm512_set1_ps(kNegInf)};
+    for (int64_t b = 0; b < blocks; ++b) top[b % 4] = _mm512_max_ps(_mm512_loadu_ps(sr + 16 * b), top[b % 4]);
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
+    const __m512 mv = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 e = exp2_nonpositive_lanes<Lanes16>(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * b), mv));
+      _mm512_storeu_ps(sr + 16 * b, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, sum);
+    float half[8];
+    for (int x = 0; x < 8; ++x) half[x] = lanes[x] + lanes[x + 8];
+    const float quarter[4] = {half[0] + half[4], half[1] + half[5], half[2] + half[6], half[3] + half[7]};
+    m[r] = seen[r] > 0 ? mx : kNegInf;
+    l[r] = (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+  }
+  return seen_by_all;
+}
+
+// pt[r][j] = bf16(st[r][j]) for rows r < R and keys j < len, zero for keys len .. n32 and rows R .. rp: the
+// softmax weights as the tile unit's first operand.
+void weights_bf16(const float* st, int64_t R, int64_t rp, int64_t len, int64_t n32, uint16_t* pt) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j0 = 0; j0 < n32; j0 += 32) {
+      const auto keep = [&](int64_t j) {  // lanes j .. j + 15 that hold keys
+        return static_cast<__mmask16>(j >= len ? 0 : (len - j >= 16 ? 0xFFFF : (1u << (len - j)) - 1));
+      };
+      const __m512 lo = _mm512_maskz_loadu_ps(keep(j0), st + r * kChunk + j0);
+      const __m512 hi = _mm512_maskz_loadu_ps(keep(j0 + 16), st + r * kChunk + j0 + 16);
+      _mm512_storeu_si512(pt + r * kChunk + j0, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  std::fill(pt + R * kChunk, pt + rp * kChunk, uint16_t{0});
+}
+
+// vv[p][n][e] = v[2p + e][d(n)] for key pairs p < n32 / 2 (keys from len on are zero): the values as the tile
+// unit's second operand, key pairs interleaved by one unpack per 16 columns. The unpacks work within 128-bit
+// lanes, so within each 32 columns, column n < 16 holds d = 8 (n / 4) + n % 4 and column 16 + n holds
+// d = 8 (n / 4) + 4 + n % 4; columns_to_dims puts the outputs back. (A full interleave, a two-source permute
+// per 16 columns, cost a sixth of a verification's attention.) next_bytes of next_keys are asked for along the way.
+void pair_values(const uint16_t* v, int64_t len, int64_t n32, int64_t D, uint16_t* vv, const char* next_keys,
+                 int64_t next_bytes) {
+  const int64_t pair_bytes = 4 * D;  // two keys' values; the same span of the next keys is asked for with them
+  for (int64_t j = 0; j < n32; j += 2) {
+    if (next_keys != nullptr) prefetch_span(next_keys, j * 2 * D, std::min(next_bytes, j * 2 * D + pair_bytes));
     for (int64_t d = 0; d < D; d += 32) {
       const __m512i a = j < len ? _mm512_loadu_si512(v + j * D + d) : _mm512_setzero_si512();
       const __m512i b = j + 1 < len ? _mm512_loadu_si512(v + (j + 1) * D + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(vv + j * D + 2 * d, _mm512_permutex2var_epi16(a, low, b));
-      _mm512_storeu_si512(vv + j * D + 2 * d + 32, _mm512_permutex2var_epi16(a, high, b));
+      _mm512_storeu_si512(vv + j * D + 2 * d, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(vv + j * D + 2 * d + 32, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+  if (next_keys != nullptr) prefetch_span(next_keys, n32 * 2 * D, next_bytes);  // a longer next chunk's rest
+}
+
+// o[r][d] = acc[r][the column pair_values gave d], rows r < R: the weighted sums in head-dimension order.
+void columns_to_dims(const float* acc, int64_t R, int64_t D, float* o) {
+  alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_loadu_ps(acc + r * D + d), hi = _mm512_loadu_ps(acc + r * D + d + 16);
+      _mm512_storeu_ps(o + r * D + d, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(o + r * D + d + 16, _mm512_permutex2var_ps(lo, second, hi));
     }
 }
 
@@ -704,11 +786,9 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
                         float* o, float* m, float* l) {
   const int64_t D = sh.D, rp = sh.rp, R = sh.R, DS = D / 32;
   const int64_t n32 = (len + 31) / 32 * 32;
-  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
   const int64_t front = 2 * rp * D;  // the last block's keys (16 x D bf16), later the output (rp x D fp32)
-  scratch.tiles.resize(front + rp * kChunk + kChunk * D);
-  float* s = scratch.scores.data();
-  uint16_t* tail = scratch.tiles.data();
+  float* s = on_lines(scratch.scores, kChunk * rp);
+  uint16_t* tail = on_lines(scratch.tiles, front + rp * kChunk + kChunk * D);
   uint16_t* pt = tail + front;
   uint16_t* vv = pt + rp * kChunk;
   const int64_t bytes = D * 2;
@@ -719,13 +799,33 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
     std::copy(kc + j0 * D, kc + len * D, tail);
     return static_cast<const uint16_t*>(tail);
   };
-  if (D == 64 && rp <= 32) {  // the query tiles stay loaded across the chunk's key blocks
+  if (D == 64 && rp == 16) {  // two key blocks in flight: alone, each block's store waited on its products
     _tile_loadd(4, qv, 64);
     _tile_loadd(5, qv + 512, 64);
-    if (rp == 32) {
-      _tile_loadd(6, qv + 1024, 64);
-      _tile_loadd(7, qv + 1536, 64);
+    for (int64_t j0 = 0; j0 < len; j0 += 32) {
+      const bool two = j0 + 16 < len;  // only the last block can be partial, so `a` never is when `b` exists
+      const uint16_t* a = keys_at(j0);
+      _tile_loadd(2, a, bytes);
+      _tile_loadd(3, a + 32, bytes);
+      _tile_zero(0);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(0, 3, 5);
+      if (two) {
+        const uint16_t* b = keys_at(j0 + 16);
+        _tile_loadd(6, b, bytes);
+        _tile_loadd(7, b + 32, bytes);
+        _tile_zero(1);
+        _tile_dpbf16ps(1, 6, 4);
+        _tile_dpbf16ps(1, 7, 5);
+      }
+      _tile_stored(0, s + j0 * rp, rp * 4);
+      if (two) _tile_stored(1, s + (j0 + 16) * rp, rp * 4);
     }
+  } else if (D == 64 && rp == 32) {  // the query tiles stay loaded across the chunk's key blocks
+    _tile_loadd(4, qv, 64);
+    _tile_loadd(5, qv + 512, 64);
+    _tile_loadd(6, qv + 1024, 64);
+    _tile_loadd(7, qv + 1536, 64);
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
       const uint16_t* keys = keys_at(j0);
       _tile_loadd(2, keys, bytes);
@@ -733,13 +833,11 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
       _tile_zero(0);
       _tile_dpbf16ps(0, 2, 4);
       _tile_dpbf16ps(0, 3, 5);
-      if (rp == 32) {
-        _tile_zero(1);
-        _tile_dpbf16ps(1, 2, 6);
-        _tile_dpbf16ps(1, 3, 7);
-        _tile_stored(1, s + j0 * rp + 16, rp * 4);
-      }
+      _tile_zero(1);
+      _tile_dpbf16ps(1, 2, 6);
+      _tile_dpbf16ps(1, 3, 7);
       _tile_stored(0, s + j0 * rp, rp * 4);
+      _tile_stored(1, s + j0 * rp + 16, rp * 4);
     }
   } else {
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
@@ -755,13 +853,12 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
       }
     }
   }
-  for (int64_t x = 0; x < len * rp; ++x) s[x] *= qscale;
-  // the next chunk's keys come in during the exponentials; keys past a row's bound get weight 0, and
-  // adding 0 changes no bits, so every row takes every key below
-  softmax_by_rows(sh, s, c0, len, next_k, next_len, scratch, m, l);
-
-  weights_by_rows(s, rp, len, n32, pt);
-  pair_values(vc, len, n32, D, vv);
+  float* st = on_lines(scratch.weights, R * kChunk);
+  scores_by_keys(s, rp, R, len, qscale, st);
+  softmax_tiles(sh, st, c0, len, scratch, m, l);
+  weights_bf16(st, R, rp, len, n32, pt);
+  pair_values(vc, len, n32, D, vv, reinterpret_cast<const char*>(next_k), next_len * bytes);  // asks for them
+  // keys past a row's bound got weight 0, and adding 0 changes no bits, so every row takes every key below
   float* acc = reinterpret_cast<float*>(tail);  // [rp][D]; the keys' tail is no longer needed
   for (int64_t qb = 0; qb < rp / 16; ++qb) {
     const uint16_t* p = pt + qb * 16 * kChunk;
@@ -799,7 +896,7 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
       _tile_stored(0, a + d0, D * 4);
     }
   }
-  std::copy(acc, acc + R * D, o);
+  columns_to_dims(acc, R, D, o);
 }
 #endif
 
@@ -975,12 +1072,10 @@ void attend_chunk_int8(const Shape& sh, const float* qt, const Int8Keys& kq, con
                        int64_t len, Scratch& scratch, float* o, float* m, float* l) {
   const int64_t D = sh.D, rp = sh.rp, R = sh.R;
   const bool by_keys = R <= sh.key_rows;
-  if (static_cast<int64_t>(scratch.scores.size()) < kChunk * rp) scratch.scores.resize(kChunk * rp);
-  if (static_cast<int64_t>(scratch.dequantized.size()) < kInt8Block * D) scratch.dequantized.resize(kInt8Block * D);
+  float* s = on_lines(scratch.scores, kChunk * rp);
+  float* block = on_lines(scratch.dequantized, kInt8Block * D);
   if (by_keys && static_cast<int64_t>(scratch.keys_t.size()) < D * kKeyStride)
     scratch.keys_t.assign(D * kKeyStride, 0.0f);
-  float* s = scratch.scores.data();
-  float* block = scratch.dequantized.data();
   const int64_t pk = by_keys ? 1 : rp, pr = by_keys ? kChunk : 1;  // p[j][r] at s[j * pk + r * pr]
   const int64_t coded = std::clamp<int64_t>(kq.n_codes - c0, 0, len);  // this chunk's keys held as codes
   for (int64_t j0 = 0; j0 < len; j0 += kInt8Block) {
