@@ -236,7 +236,8 @@ def test_linear_kernel_timing_refuses_bad_step_sizes_before_building_the_kernel(
 
 def test_step_ops_bench_times_both_forms_and_only_the_on_runs_reach_the_kernels(monkeypatch):
     """bench.step_ops: a row per op and form; a row per step length with both timings, where every 'on'
-    forward (2 warm-up + 2 timed per length) calls the RMSNorm kernel once per norm and no 'off' one does."""
+    forward (2 warm-up + 2 timed per length) runs each norm in the kernels (the RMSNorm kernel, or the layer
+    calls that each run one) and no 'off' one does."""
     from sparsedraft.bench import step_ops
     from sparsedraft.engine import kernels
     if not kernels.available():
@@ -246,8 +247,8 @@ def test_step_ops_bench_times_both_forms_and_only_the_on_runs_reach_the_kernels(
                                                    for form in ("torch", "kernel")}
     assert all(r["us"] > 0 for r in ops)
     calls = []
-    real = kernels.rms_norm
-    monkeypatch.setattr(kernels, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    for name in ("rms_norm", "layer_head", "layer_tail"):
+        monkeypatch.setattr(kernels, name, lambda *a, real=getattr(kernels, name): calls.append(1) or real(*a))
     steps = step_ops.time_steps("tiny-llama", context=40, tokens=(1, 3), repeats=2)
     assert [(r["tokens"], r["context"]) for r in steps] == [(1, 40), (3, 40)]
     assert all(r["kernels_ms"] > 0 and r["torch_ops_ms"] > 0 for r in steps)

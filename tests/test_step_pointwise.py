@@ -55,10 +55,13 @@ def test_bad_inputs_are_refused(built):
 
 
 def _calls(monkeypatch):
+    """The step kernels each call runs, in order: a layer's two fused calls count as the norms and rotations
+    they run (layer_head: a norm and RoPE; layer_tail: a norm)."""
     seen = []
-    for name in ("rms_norm", "rope"):
+    runs = {"rms_norm": ["rms_norm"], "rope": ["rope"], "layer_head": ["rms_norm", "rope"], "layer_tail": ["rms_norm"]}
+    for name, ran in runs.items():
         real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: seen.append(_name) or _real(*a))
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _ran=ran: seen.extend(_ran) or _real(*a))
     return seen
 
 

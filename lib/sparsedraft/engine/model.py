@@ -293,6 +293,33 @@ class Attention(nn.Module):
         self.scale = d ** -0.5
 
     def forward(self, x, angles, cache: KVCache, capture: Capture | None):
+        return project(self.o_proj, self.heads(x, angles, cache, capture))
+
+    def heads(self, x, angles, cache: KVCache, capture: Capture | None,
+              qkv: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The attention's output before ``o_proj``: [B, T, heads * head_dim]. ``qkv``: a step's rotated q, k
+        [B, T, heads, D] and v, as :func:`kernels.layer_head` makes them from the layer's input (``x`` is then
+        not read)."""
+        if qkv is None:
+            q, k, v = self.qkv(x, angles, cache)
+        else:
+            q, k, v = (y.transpose(1, 2) for y in qkv)
+        b, t = q.shape[0], q.shape[2]
+        record = capture is not None and self.layer in capture.layers
+        if isinstance(cache, RowCaches):
+            require(not (record and capture.weights), "attention weights are not captured over a RowCaches batch")
+            out, weights = _attend_rows(cache, self.layer, q, k, v, self.scale), None
+        else:
+            keys, values, mask = cache.attend(self.layer, k, v)
+            out, weights = attention(q, keys, values, mask, self.scale, need_weights=record and capture.weights)
+        if record:
+            capture.queries[self.layer] = q.detach()
+            if weights is not None:
+                capture.attention[self.layer] = weights.detach()
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+    def qkv(self, x, angles, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, heads, T, D] and k rotated (k not where the cache keeps keys before RoPE), v [B, kv, T, D]."""
         b, t, _ = x.shape
         cfg = self.cfg
         q = project(self.q_proj, x).view(b, t, cfg.num_heads, cfg.head_dim)
@@ -308,18 +335,7 @@ class Attention(nn.Module):
             q, k = angles.apply(q.transpose(1, 2)), k.transpose(1, 2)
             if not cache.keys_prerope:
                 k = angles.apply(k)
-        record = capture is not None and self.layer in capture.layers
-        if isinstance(cache, RowCaches):
-            require(not (record and capture.weights), "attention weights are not captured over a RowCaches batch")
-            out, weights = _attend_rows(cache, self.layer, q, k, v, self.scale), None
-        else:
-            keys, values, mask = cache.attend(self.layer, k, v)
-            out, weights = attention(q, keys, values, mask, self.scale, need_weights=record and capture.weights)
-        if record:
-            capture.queries[self.layer] = q.detach()
-            if weights is not None:
-                capture.attention[self.layer] = weights.detach()
-        return project(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -342,8 +358,56 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, angles, cache, capture):
-        x = x + self.self_attn(self.input_layernorm(x), angles, cache, capture)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn, norm, tail = self.self_attn, self.input_layernorm, self.post_attention_layernorm
+        fused = _step_linears(self, x)
+        if fused is None:
+            x = x + project(attn.o_proj, attn.heads(norm(x), angles, cache, capture))
+            return x + self.mlp(tail(x))
+        # A step's rows: the norm, q/k/v and RoPE in one C++ call, o_proj to the MLP's residual in another; the
+        # same kernels and ATen ops in the same order as the lines above, so the same bits.
+        cos, sin = angles.rows()
+        qkv = kernels.layer_head(x, norm.weight, norm.eps, fused[0], attn.cfg.num_heads, cos, sin,
+                                 not cache.keys_prerope)
+        return kernels.layer_tail(x, attn.heads(x, angles, cache, capture, qkv), fused[1], tail.weight, tail.eps)
+
+
+def _kernel_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight the few-row kernel reads for ``layer`` in a ``dtype`` step (its int8 codes for an
+    :class:`Int8Linear`), or None where the kernel does not take it."""
+    if isinstance(layer, nn.Linear):
+        weight = layer._parameters["weight"]
+        return weight if weight.dtype == dtype and weight.is_contiguous() else None
+    if isinstance(layer, Int8Linear):
+        return layer.weight_int8 if layer.weight_int8.is_contiguous() else None
+    return None
+
+
+def _step_linears(block: "Block", x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """(weight, bias, scale) of ``block``'s q/k/v and of its o_proj, gate, up and down, as
+    :func:`kernels.layer_head` and :func:`kernels.layer_tail` take them, when ``x`` is a step's rows (at most
+    :data:`kernels.MAX_LINEAR_ROWS`, the kernels on), the layer has no q/k norm, and all seven are fp32/bf16 of
+    x's dtype or int8; None sends the step down the Python path. Made once per block and dtype and kept while
+    the layers hold the same weight tensors (an fp32 copy of each int8 scale per call was itself ~3% of an
+    int8 step). Each of a step's ~200 calls paid microseconds of Python; these two calls a layer took 0.4 ms
+    off a 12.8 ms bf16 level-2 step for the tail alone (scratch, in the commit that added them)."""
+    attn, mlp = block.self_attn, block.mlp
+    if (_GEMM_BATCHES.get() or attn.q_norm is not None or x.numel() > kernels.MAX_LINEAR_ROWS * x.shape[-1]
+            or not is_step(x)):
+        return None
+    layers = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    weights = [_kernel_weight(layer, x.dtype) for layer in layers]
+    kept = block.__dict__.get("_step_linears")
+    if kept is not None and kept[0] == x.dtype and all(a is b for a, b in zip(kept[1], weights)):
+        return kept[2]
+    if any(w is None for w in weights):
+        return None
+    none = torch.empty(0, dtype=x.dtype)
+    tensors = []
+    for layer, weight in zip(layers, weights):
+        scale = layer.scale.float().contiguous() if isinstance(layer, Int8Linear) else none
+        tensors += [weight, none if layer.bias is None else layer.bias, scale]
+    block.__dict__["_step_linears"] = (x.dtype, weights, (tensors[:9], tensors[9:]))
+    return tensors[:9], tensors[9:]
 
 
 def run_layers(layers: nn.ModuleList, rotary: Rotary, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,

@@ -47,7 +47,8 @@ from ...errors import require
 from ..cpuinfo import cpu_flags, read_cpuinfo
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
-                ("decode_attention.cpp", "few_rows_linear.cpp", "step_pointwise.cpp", "bindings.cpp"))
+                ("decode_attention.cpp", "few_rows_linear.cpp", "step_pointwise.cpp", "step_block.cpp",
+                 "bindings.cpp"))
 # compiled into the sources, so part of the build key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("prefetch.h", "tiles.h"))
 MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
@@ -386,6 +387,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     position of x (x's shape without H): what :meth:`~sparsedraft.engine.rope.Angles.apply` computes on the
     transposed [B, H, T, D], in float32, rounded once. Call :func:`available` first."""
     return _module.rope(x, cos, sin)
+
+
+def layer_head(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, linears: list[torch.Tensor], heads: int,
+               cos: torch.Tensor, sin: torch.Tensor, rope_keys: bool) -> list[torch.Tensor]:
+    """A decoder layer's first half for a step's rows, one call: ``n = RMSNorm(x)``, then q, k, v [B, T, heads,
+    D] from ``linears`` ((weight, bias, scale) for q, k and v, as :func:`layer_tail` takes them), q and (where
+    ``rope_keys``) k rotated by cos, sin [B, T, D]. The same calls as the Python path, so the same bits. Call
+    :func:`available` first."""
+    return _module.layer_head(x, norm_weight, float(eps), linears, heads, cos, sin, rope_keys)
+
+
+def layer_tail(x: torch.Tensor, a: torch.Tensor, linears: list[torch.Tensor], norm_weight: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    """A decoder layer's second half for a step's rows, one call: ``h = x + o_proj(a)``, then ``h +
+    down(silu(gate(n)) * up(n))`` with ``n = RMSNorm(h)``; ``linears`` holds (weight, bias, scale) for o, gate,
+    up and down (empty bias: none; empty scale: not int8 codes, else fp32 [N]). The same calls in the same
+    order as the Python path (``kernels/step_block.cpp``), so the same bits. Call :func:`available` first."""
+    return _module.layer_tail(x, a, linears, norm_weight, float(eps))
 
 
 def step_fits(x: torch.Tensor) -> bool:

@@ -1,7 +1,10 @@
 // The one Python module of the C++ kernels: each kernel lives in its own file, bound here.
 
 #include <ATen/core/Tensor.h>
+#include <pybind11/stl.h>  // std::vector<Tensor> arguments
 #include <torch/csrc/utils/pybind.h>  // the Tensor <-> Python caster; far lighter than torch/extension.h
+
+#include <vector>
 
 #include "tiles.h"
 
@@ -16,6 +19,11 @@ at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, co
                                 const at::Tensor& bias, bool paired);
 at::Tensor step_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor step_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+std::vector<at::Tensor> step_layer_head(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                        const std::vector<at::Tensor>& lin, int64_t heads, const at::Tensor& cos,
+                                        const at::Tensor& sin, bool rope_keys);
+at::Tensor step_layer_tail(const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& lin,
+                           const at::Tensor& norm_weight, double eps);
 
 // The widest vector instruction set the compiler was allowed to use for these files (what -march
 // turned on), so a bench can say which path ran rather than which one the CPU offers.
@@ -58,4 +66,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &few_rows_linear_int8, "(x Q^T) * scale (+ b) for 1..16 rows over int8 codes Q");
   m.def("rms_norm", &step_rms_norm, "RMSNorm of each row, Hugging Face's order (step_pointwise.cpp)");
   m.def("rope", &step_rope, "rotary embedding of x [..., H, D] by cos, sin [..., D] (step_pointwise.cpp)");
+  m.def("layer_head", &step_layer_head, "RMSNorm, q/k/v and RoPE in one call (step_block.cpp)");
+  m.def("layer_tail", &step_layer_tail, "o_proj, residual, RMSNorm, gated MLP, residual in one call (step_block.cpp)");
 }
