@@ -5,6 +5,7 @@ import os
 import platform
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -234,6 +235,30 @@ def test_build_failure_warns_once_and_reports_unavailable(monkeypatch):
     q, k, v = _inputs(1, 1, 1, 1, 10, 64, torch.float32)
     with pytest.raises(RuntimeError, match="Ninja is required"):
         kernels.attend(q, k, v, 0.125, 1)
+
+
+def test_a_native_build_that_fails_is_one_warning_naming_why_and_the_portable_build_runs(monkeypatch):
+    """A -march=native build can fail where the portable one builds (a source the assembler refuses for this
+    CPU's extensions): that is a slower path, so it is said once, with the reason."""
+    def build(flags):
+        if "-march=native" in flags:
+            raise RuntimeError("Error building extension\n/tmp/x.s:12: Error: bad register name `%tmmK0'")
+        return types.SimpleNamespace(allow_tiles=lambda on: None)
+
+    monkeypatch.setattr(kernels, "_build", build)
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_flags", kernels._flags)
+    monkeypatch.setattr(kernels, "_isa", None)  # auto: the flag sets in turn, whatever path the file has forced
+    monkeypatch.setattr(kernels, "_failure", None)
+    monkeypatch.delenv("SPARSEDRAFT_KERNELS", raising=False)
+    monkeypatch.delenv("SPARSEDRAFT_KERNEL_ISA", raising=False)
+    with pytest.warns(RuntimeWarning) as record:
+        assert kernels.available()
+        assert kernels.available()
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "-march=native build failed" in message and "bad register name" in message and "portable" in message
+    assert "-march=native" not in kernels._flags
 
 
 def test_no_compiler_in_a_fresh_process(tmp_path):

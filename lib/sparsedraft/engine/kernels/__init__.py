@@ -4,13 +4,15 @@
 once for a whole GQA group and all T new tokens (see ``decode_attention.cpp`` for why torch's SDPA
 does not); ``linear`` multiplies the few rows of such a step by a weight matrix read once
 (``few_rows_linear.cpp``); ``rms_norm`` and ``rope`` are the row-wise operations between them, one
-call each instead of several torch ops (``step_pointwise.cpp``). All give each row the same bits
+call each instead of several torch ops (``step_pointwise.cpp``); ``layer_head`` and ``layer_tail`` run
+a layer's calls before and after its attention as two (``step_block.cpp``). All give each row the same bits
 whatever the step's length, which is what keeps speculative greedy output equal to plain greedy output
 in bf16. It is built with ``torch.utils.cpp_extension.load`` the first time :func:`available` is
 asked, into ``$XDG_CACHE_HOME/sparsedraft/kernels/<hash>`` (``~/.cache`` by default), the hash
 covering the sources, the compiler flags, torch, Python, the compiler and this CPU (``-march=native``
 code must not run on another CPU that shares the home folder). A machine without a compiler or ninja
-gets one warning naming the reason and ``available() == False``; callers then keep the SDPA path.
+gets one warning naming the reason and ``available() == False``; callers then keep the SDPA path. A
+``-march=native`` build that fails where the portable one builds is one warning too, naming the reason.
 ``SPARSEDRAFT_KERNELS=0`` turns the kernels off without a warning.
 
 Which vector path runs is chosen here, at run time, from what this CPU reports: by default
@@ -187,15 +189,22 @@ def available() -> bool:
     if _failure is None:
         isa = requested_isa()
         check_isa(isa)
+        native_failed = None  # why the -march=native build failed, when a later one is kept
         for flags in FLAG_SETS if isa == "auto" else (ISA_FLAGS[isa],):
             try:
                 _module, _flags = _build(flags), flags
                 break
             except Exception as exc:  # noqa: BLE001 - any build failure means "use SDPA", reported once
                 _failure = _reason(exc)
+                if "-march=native" in flags:
+                    native_failed = _failure
         if _module is not None:
             _failure = None
             _module.allow_tiles(_tiles)
+            if native_failed is not None and "-march=native" not in _flags:  # a slower path: say so, once
+                warnings.warn(f"sparsedraft C++ kernels: the -march=native build failed ({native_failed}); "
+                              "running the portable build (no vector extensions, no AMX tiles)", RuntimeWarning,
+                              stacklevel=2)
         else:
             warnings.warn(f"sparsedraft C++ attention kernel unavailable ({_failure}); using torch SDPA",
                           RuntimeWarning, stacklevel=2)
