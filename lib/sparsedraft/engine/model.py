@@ -388,8 +388,8 @@ def _step_linears(block: "Block", x: torch.Tensor) -> tuple[list[torch.Tensor], 
     :data:`kernels.MAX_LINEAR_ROWS`, the kernels on), the layer has no q/k norm, and all seven are fp32/bf16 of
     x's dtype or int8; None sends the step down the Python path. Made once per block and dtype and kept while
     the layers hold the same weight tensors (an fp32 copy of each int8 scale per call was itself ~3% of an
-    int8 step). Each of a step's ~200 calls paid microseconds of Python; these two calls a layer took 0.4 ms
-    off a 12.8 ms bf16 level-2 step for the tail alone (scratch, in the commit that added them)."""
+    int8 step). Why two calls a layer: each of a step's ~200 calls paid microseconds of Python (what that
+    saved: docs/engine.md, "A layer in two calls")."""
     attn, mlp = block.self_attn, block.mlp
     if (_GEMM_BATCHES.get() or attn.q_norm is not None or x.numel() > kernels.MAX_LINEAR_ROWS * x.shape[-1]
             or not is_step(x)):

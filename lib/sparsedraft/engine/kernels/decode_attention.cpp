@@ -780,6 +780,20 @@ void columns_to_dims(const float* acc, int64_t R, int64_t D, float* o) {
     }
 }
 
+// Scores of the 16 keys at `keys` (D = 64, rows `bytes` apart) against the query tiles Q0 and Q1 (dims 0-31 and
+// 32-63) into tile C, the keys loaded into K0 and K1. A macro, not a template: GCC's tile intrinsics paste their
+// tile numbers into the instruction text, so they must be literal numbers where the intrinsic is written (a
+// template parameter there fails to assemble, and the build falls back to the portable one).
+#define SPARSEDRAFT_SCORE16(C, K0, K1, Q0, Q1, keys, bytes) \
+  do {                                                      \
+    const uint16_t* score16_keys = (keys);                  \
+    _tile_loadd(K0, score16_keys, bytes);                   \
+    _tile_loadd(K1, score16_keys + 32, bytes);              \
+    _tile_zero(C);                                          \
+    _tile_dpbf16ps(C, K0, Q0);                              \
+    _tile_dpbf16ps(C, K1, Q1);                              \
+  } while (0)
+
 // attend_chunk on tiles (bf16, D a multiple of 32): the same outputs as every path gives, in its own bits.
 void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const uint16_t* kc, const uint16_t* vc,
                         int64_t c0, int64_t len, const uint16_t* next_k, int64_t next_len, Scratch& scratch,
@@ -804,20 +818,8 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
     _tile_loadd(5, qv + 512, 64);
     for (int64_t j0 = 0; j0 < len; j0 += 32) {
       const bool two = j0 + 16 < len;  // only the last block can be partial, so `a` never is when `b` exists
-      const uint16_t* a = keys_at(j0);
-      _tile_loadd(2, a, bytes);
-      _tile_loadd(3, a + 32, bytes);
-      _tile_zero(0);
-      _tile_dpbf16ps(0, 2, 4);
-      _tile_dpbf16ps(0, 3, 5);
-      if (two) {
-        const uint16_t* b = keys_at(j0 + 16);
-        _tile_loadd(6, b, bytes);
-        _tile_loadd(7, b + 32, bytes);
-        _tile_zero(1);
-        _tile_dpbf16ps(1, 6, 4);
-        _tile_dpbf16ps(1, 7, 5);
-      }
+      SPARSEDRAFT_SCORE16(0, 2, 3, 4, 5, keys_at(j0), bytes);
+      if (two) SPARSEDRAFT_SCORE16(1, 6, 7, 4, 5, keys_at(j0 + 16), bytes);
       _tile_stored(0, s + j0 * rp, rp * 4);
       if (two) _tile_stored(1, s + (j0 + 16) * rp, rp * 4);
     }
@@ -827,12 +829,7 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
     _tile_loadd(6, qv + 1024, 64);
     _tile_loadd(7, qv + 1536, 64);
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      const uint16_t* keys = keys_at(j0);
-      _tile_loadd(2, keys, bytes);
-      _tile_loadd(3, keys + 32, bytes);
-      _tile_zero(0);
-      _tile_dpbf16ps(0, 2, 4);
-      _tile_dpbf16ps(0, 3, 5);
+      SPARSEDRAFT_SCORE16(0, 2, 3, 4, 5, keys_at(j0), bytes);  // rows 0-15, then 16-31 over the same keys
       _tile_zero(1);
       _tile_dpbf16ps(1, 2, 6);
       _tile_dpbf16ps(1, 3, 7);
