@@ -686,9 +686,11 @@ void scores_by_keys(const float* s, int64_t rp, int64_t R, int64_t len, float qs
   __m512 in[16], out[16];
   for (int64_t v0 = 0; v0 < R; v0 += 16)
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      for (int i = 0; i < 16; ++i) in[i] = j0 + i < len ? _mm512_loadu_ps(s + (j0 + i) * rp + v0) : _mm512_setzero_ps();
+      for (int i = 0; i < 16; ++i)
+        in[i] = j0 + i < len ? _mm512_loadu_ps(s + (j0 + i) * rp + v0) : _mm512_setzero_ps();
       transpose16(in, out);
-      for (int64_t r = 0; r < 16 && v0 + r < R; ++r) _mm512_storeu_ps(st + (v0 + r) * kChunk + j0, _mm512_mul_ps(out[r], scale));
+      for (int64_t r = 0; r < 16 && v0 + r < R; ++r)
+        _mm512_storeu_ps(st + (v0 + r) * kChunk + j0, _mm512_mul_ps(out[r], scale));
     }
 }
 
@@ -713,7 +715,8 @@ int64_t softmax_tiles(const Shape& sh, float* st, int64_t c0, int64_t len, Scrat
     __m512 top[4] = {_mm512_set1_ps(kNegInf), _mm512_set1_ps(kNegInf), _mm512_set1_ps(kNegInf),
                      _mm512_set1_ps(kNegInf)};
     for (int64_t b = 0; b < blocks; ++b) top[b % 4] = _mm512_max_ps(_mm512_loadu_ps(sr + 16 * b), top[b % 4]);
-    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
+    const float mx =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
     const __m512 mv = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -747,37 +750,26 @@ void weights_bf16(const float* st, int64_t R, int64_t rp, int64_t len, int64_t n
   std::fill(pt + R * kChunk, pt + rp * kChunk, uint16_t{0});
 }
 
-// vv[p][n][e] = v[2p + e][d(n)] for key pairs p < n32 / 2 (keys from len on are zero): the values as the tile
-// unit's second operand, key pairs interleaved by one unpack per 16 columns. The unpacks work within 128-bit
-// lanes, so within each 32 columns, column n < 16 holds d = 8 (n / 4) + n % 4 and column 16 + n holds
-// d = 8 (n / 4) + 4 + n % 4; columns_to_dims puts the outputs back. (A full interleave, a two-source permute
-// per 16 columns, cost a sixth of a verification's attention.) next_bytes of next_keys are asked for along the way.
+// vv[p][d][e] = v[2p + e][d] for key pairs p < n32 / 2 (keys from len on are zero): the values as the tile
+// unit's second operand. next_bytes of next_keys are asked for along the way, a pair of keys' span at a time.
 void pair_values(const uint16_t* v, int64_t len, int64_t n32, int64_t D, uint16_t* vv, const char* next_keys,
                  int64_t next_bytes) {
-  const int64_t pair_bytes = 4 * D;  // two keys' values; the same span of the next keys is asked for with them
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  const int64_t pair_bytes = 4 * D;
   for (int64_t j = 0; j < n32; j += 2) {
     if (next_keys != nullptr) prefetch_span(next_keys, j * 2 * D, std::min(next_bytes, j * 2 * D + pair_bytes));
     for (int64_t d = 0; d < D; d += 32) {
       const __m512i a = j < len ? _mm512_loadu_si512(v + j * D + d) : _mm512_setzero_si512();
       const __m512i b = j + 1 < len ? _mm512_loadu_si512(v + (j + 1) * D + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(vv + j * D + 2 * d, _mm512_unpacklo_epi16(a, b));
-      _mm512_storeu_si512(vv + j * D + 2 * d + 32, _mm512_unpackhi_epi16(a, b));
+      _mm512_storeu_si512(vv + j * D + 2 * d, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(vv + j * D + 2 * d + 32, _mm512_permutex2var_epi16(a, high, b));
     }
   }
   if (next_keys != nullptr) prefetch_span(next_keys, n32 * 2 * D, next_bytes);  // a longer next chunk's rest
-}
-
-// o[r][d] = acc[r][the column pair_values gave d], rows r < R: the weighted sums in head-dimension order.
-void columns_to_dims(const float* acc, int64_t R, int64_t D, float* o) {
-  alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-  alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_loadu_ps(acc + r * D + d), hi = _mm512_loadu_ps(acc + r * D + d + 16);
-      _mm512_storeu_ps(o + r * D + d, _mm512_permutex2var_ps(lo, first, hi));
-      _mm512_storeu_ps(o + r * D + d + 16, _mm512_permutex2var_ps(lo, second, hi));
-    }
 }
 
 // Scores of the 16 keys at `keys` (D = 64, rows `bytes` apart) against the query tiles Q0 and Q1 (dims 0-31 and
@@ -893,7 +885,7 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
       _tile_stored(0, a + d0, D * 4);
     }
   }
-  columns_to_dims(acc, R, D, o);
+  std::copy(acc, acc + R * D, o);
 }
 #endif
 
