@@ -77,9 +77,11 @@ constexpr float kExp2Poly[] = {1.525273380405984e-05f, 1.5403530393381606e-04f, 
                                9.618129107628477e-03f, 5.550410866482158e-02f,  2.402265069591007e-01f,
                                6.931471805599453e-01f, 1.0f};
 
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (x + it) - it is x rounded to a whole number
+
 inline float exp2_nonpositive(float x) {
   const float xc = x > -127.0f ? x : -127.0f;
-  const float magic = 12582912.0f;
+  const float magic = kRoundMagic;
   const float n = (xc + magic) - magic;
   const float f = xc - n;
   float p = kExp2Poly[0];
@@ -114,8 +116,8 @@ struct Lanes8 {
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V nearest(V x) {  // x rounded to a whole number, ties to even, by the 1.5 * 2^23 trick
-    const V magic = set(12582912.0f);
+  static V nearest(V x) {  // x rounded to a whole number, ties to even, by kRoundMagic
+    const V magic = set(kRoundMagic);
     return sub(add(x, magic), magic);
   }
   static V times_pow2(V p, V n) {  // p * 2^n for whole n in [-127, 0], 2^n through the exponent bits
@@ -724,13 +726,8 @@ int64_t softmax_tiles(const Shape& sh, float* st, int64_t c0, int64_t len, Scrat
       _mm512_storeu_ps(sr + 16 * b, e);
       sum = _mm512_add_ps(sum, e);
     }
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, sum);
-    float half[8];
-    for (int x = 0; x < 8; ++x) half[x] = lanes[x] + lanes[x + 8];
-    const float quarter[4] = {half[0] + half[4], half[1] + half[5], half[2] + half[6], half[3] + half[7]};
     m[r] = seen[r] > 0 ? mx : kNegInf;
-    l[r] = (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+    l[r] = _mm512_reduce_add_ps(sum);  // a fixed tree over the 16 lanes
   }
   return seen_by_all;
 }

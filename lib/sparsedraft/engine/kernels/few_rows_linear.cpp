@@ -138,7 +138,7 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
     // The hardware prefetcher cannot lock onto rows this short (an int8 row of 576 codes is 9 cache lines),
     // and without this the int8 and bf16 paths read at half fp32's rate on an AVX2 machine. The non-temporal
     // form this used before (prefetchnta) made one fp32 row 2.5x slower than this on an AMX Xeon forced onto
-    // this path. (The AVX-512 and AVX512-BF16 paths ask the same way, below; the tile path asks for nothing.)
+    // this path. (The AVX-512 and AVX512-BF16 paths ask the same way, below; the tile path for its next 16 rows.)
     for (int j = 0; j < NB; ++j) prefetch_l2(next + (k * NB + j * kLanes) * sizeof(W));
     __m256 wl[NB], wh[NB];
     for (int j = 0; j < NB; ++j) {
