@@ -52,7 +52,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("decode_attention.cpp", "few_rows_linear.cpp", "step_pointwise.cpp", "step_block.cpp",
                  "bindings.cpp"))
 # compiled into the sources, so part of the build key
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("prefetch.h", "tiles.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernels.h", "prefetch.h", "tiles.h"))
 MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
 LANES = 16  # decode_attention.cpp's kLanes: query rows of a KV head are computed in blocks of this many
 # Steps with at most this many query rows per KV head (a decode's group of g heads, a 2-token step) compute

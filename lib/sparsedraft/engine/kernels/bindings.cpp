@@ -6,24 +6,8 @@
 
 #include <vector>
 
+#include "kernels.h"
 #include "tiles.h"
-
-at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T,
-                  int64_t key_rows);
-at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& vc,
-                       const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale, int64_t T,
-                       int64_t key_rows);
-int64_t attend_chunk();
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired);
-at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                const at::Tensor& bias, bool paired);
-at::Tensor step_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor step_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-std::vector<at::Tensor> step_layer_head(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
-                                        const std::vector<at::Tensor>& lin, int64_t heads, const at::Tensor& cos,
-                                        const at::Tensor& sin, bool rope_keys);
-at::Tensor step_layer_tail(const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& lin,
-                           const at::Tensor& norm_weight, double eps);
 
 // The widest vector instruction set the compiler was allowed to use for these files (what -march
 // turned on), so a bench can say which path ran rather than which one the CPU offers.

@@ -42,6 +42,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "kernels.h"  // the signatures this file defines, checked against the list the others use
 #include "prefetch.h"
 #include "tiles.h"
 

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"  // the signatures this file defines, checked against the list the others use
 #include "prefetch.h"
 #include "tiles.h"
 

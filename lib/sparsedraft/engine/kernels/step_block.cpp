@@ -18,11 +18,7 @@
 
 #include <vector>
 
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired);
-at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                const at::Tensor& bias, bool paired);
-at::Tensor step_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor step_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+#include "kernels.h"
 
 namespace {
 

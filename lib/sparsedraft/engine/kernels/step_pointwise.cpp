@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels.h"  // the signatures this file defines, checked against the list the others use
+
 namespace {
 
 constexpr int64_t kLanes = 16;
