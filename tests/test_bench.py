@@ -235,9 +235,9 @@ def test_linear_kernel_timing_refuses_bad_step_sizes_before_building_the_kernel(
 
 
 def test_step_ops_bench_times_both_forms_and_only_the_on_runs_reach_the_kernels(monkeypatch):
-    """bench.step_ops: a row per op and form; a row per step length with both timings, where every 'on'
-    forward (2 warm-up + 2 timed per length) runs each norm in the kernels (the RMSNorm kernel, or the layer
-    calls that each run one) and no 'off' one does."""
+    """bench.step_ops: a row per op and form; a row per step length with all three timings, where every 'on'
+    forward (2 warm-up + 2 timed per length) runs each norm in the fused layer calls, every 'layers' forward
+    runs each in the RMSNorm kernel, and no 'off' one reaches the kernels."""
     from sparsedraft.bench import step_ops
     from sparsedraft.engine import kernels
     if not kernels.available():
@@ -248,12 +248,14 @@ def test_step_ops_bench_times_both_forms_and_only_the_on_runs_reach_the_kernels(
     assert all(r["us"] > 0 for r in ops)
     calls = []
     for name in ("rms_norm", "layer_head", "layer_tail"):
-        monkeypatch.setattr(kernels, name, lambda *a, real=getattr(kernels, name): calls.append(1) or real(*a))
+        monkeypatch.setattr(kernels, name, lambda *a, real=getattr(kernels, name), n=name: calls.append(n) or real(*a))
     steps = step_ops.time_steps("tiny-llama", context=40, tokens=(1, 3), repeats=2)
     assert [(r["tokens"], r["context"]) for r in steps] == [(1, 40), (3, 40)]
-    assert all(r["kernels_ms"] > 0 and r["torch_ops_ms"] > 0 for r in steps)
+    assert all(r["kernels_ms"] > 0 and r["python_layers_ms"] > 0 and r["torch_ops_ms"] > 0 for r in steps)
     layers = sparsedraft.engine.weights.load_model("tiny-llama").cfg.num_layers
-    assert len(calls) == 2 * (2 + 2) * (2 * layers + 1)
+    forwards = 2 * (2 + 2)  # per form: 2 lengths, 2 warm-up + 2 timed
+    assert calls.count("layer_head") == calls.count("layer_tail") == forwards * layers  # the 'on' forwards
+    assert calls.count("rms_norm") == forwards * (1 + 2 * layers + 1)  # 'on': the final norm; 'layers': all
 
 
 def test_step_ops_bench_refuses_bad_flags_before_loading_a_model(monkeypatch):
@@ -263,3 +265,5 @@ def test_step_ops_bench_refuses_bad_flags_before_loading_a_model(monkeypatch):
         step_ops.main(["--tokens", "17"])
     with pytest.raises(SparsedraftError, match="--record takes a .json path"):
         step_ops.main(["--record", "out.txt"])
+    with pytest.raises(SparsedraftError, match="draft_weights must be one of"):
+        step_ops.main(["--draft-weights", "int3"])

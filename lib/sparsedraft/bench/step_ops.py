@@ -1,6 +1,9 @@
 """What the C++ row-wise step operations buy: each operation (RMSNorm, rotary embedding) on
 SmolLM2-135M's shapes in torch's form and as the kernel, then a whole SmolLM2 decode and verification step
-with them on and off (``model.is_step`` forced false), interleaved in one process.
+three ways, interleaved in one process: with the step kernels and each layer's two fused calls
+(``kernels.layer_head`` / ``layer_tail``), with the step kernels called one by one from Python (the fused
+calls off), and with torch's ops (``model.is_step`` forced false). ``--dtype`` and ``--draft-weights`` time a
+quantised draft copy, such as TriForce's int8 level 2.
 
 Why a bench: on a 2-core CPU a torch op costs microseconds of dispatch whatever its size, and a decode step
 runs ~13 of them per layer around its matmuls; this is the figure that says how much of a step that was.
@@ -21,6 +24,8 @@ from ..engine import kernels
 from ..engine import model as engine
 from ..engine.cpuinfo import cpu_flags
 from ..engine.machine import best_isa, provenance
+from ..engine.quant import check_draft_weights, draft_copy
+from ..engine.runtime import DTYPES
 from ..engine.rope import Angles
 from ..engine.weights import load_model
 from ..errors import require
@@ -56,30 +61,39 @@ def time_ops(repeats: int = 5, calls: int = 2000) -> list[dict]:
 
 
 def time_steps(model: str = "smollm2-135m", context: int = 512, tokens: tuple[int, ...] = (1, 7),
-               repeats: int = 9) -> list[dict]:
+               repeats: int = 9, dtype: str = "fp32", draft_weights: str = "same") -> list[dict]:
     """Median ms of a step of each length over a cache of ``context`` random keys and values (the work
-    does not depend on the values, so no prefill), step kernels on and off."""
-    target = load_model(model).eval()
+    does not depend on the values, so no prefill): with the fused layer calls, with the step kernels one call
+    at a time, and with torch's ops."""
+    target = draft_copy(load_model(model, DTYPES[dtype]).eval(), draft_weights)
     cache = random_cache(target, context, max(tokens))
     gen = torch.Generator().manual_seed(1)
+    no_fusion = lambda *a: None  # noqa: E731 - engine._step_linears saying no layer takes the fused calls
+    forms = {"on": (engine.is_step, engine._step_linears), "layers": (engine.is_step, no_fusion),
+             "off": (lambda x: False, engine._step_linears)}
     rows = []
     with torch.inference_mode():
         for t in tokens:
             new = torch.randint(0, target.cfg.vocab_size, (1, t), generator=gen)
 
-            def step(on: bool):
+            def step(form: str):
+                is_step, step_linears = forms[form]
+
                 def timed():
                     cache.length = context
-                    with mock.patch.object(engine, "is_step", engine.is_step if on else (lambda x: False)):
+                    with mock.patch.object(engine, "is_step", is_step), \
+                            mock.patch.object(engine, "_step_linears", step_linears):
                         start = time.perf_counter()
                         target(new, cache=cache, last_only=True)
                         return time.perf_counter() - start
                 return timed
 
-            runs = interleaved_runs({"on": step(True), "off": step(False)}, 2, repeats)
-            on, off = median_ms(runs["on"]), median_ms(runs["off"])
-            rows.append({"model": model, "context": context, "tokens": t, "kernels_ms": round(on, 2),
-                         "torch_ops_ms": round(off, 2), "saved": round(1 - on / off, 3)})
+            runs = interleaved_runs({form: step(form) for form in forms}, 2, repeats)
+            on, layers, off = (median_ms(runs[form]) for form in forms)
+            rows.append({"model": model, "dtype": dtype, "draft_weights": draft_weights, "context": context,
+                         "tokens": t, "kernels_ms": round(on, 2), "python_layers_ms": round(layers, 2),
+                         "torch_ops_ms": round(off, 2), "saved": round(1 - on / off, 3),
+                         "layer_calls_saved": round(1 - on / layers, 3)})
     return rows
 
 
@@ -89,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=512, help="cached tokens under the timed steps")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 7], help="step lengths (1: a decode)")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    parser.add_argument("--draft-weights", default="same",
+                        help="time a draft copy of the model with these weights (same, bf16, int8, int4)")
     parser.add_argument("--record", default="", metavar="PATH.json",
                         help="also write the rows as a results record (docs/results/) with the read bandwidth, ISA "
                              "and commit")
@@ -97,17 +114,21 @@ def main(argv: list[str] | None = None) -> None:
     require(all(1 <= t <= engine.KERNEL_MAX_TOKENS for t in args.tokens),
             f"--tokens takes step lengths in 1..{engine.KERNEL_MAX_TOKENS}, got {args.tokens}")
     require(args.context >= 8, f"--context must be at least 8 tokens, got {args.context}")
+    check_draft_weights(args.draft_weights)
     if not kernels.available():
         raise SystemExit("the C++ kernels are unavailable here; nothing to time")
     started = provenance()
     ops = time_ops()
-    steps = time_steps(args.model, args.context, tuple(args.tokens), args.repeats)
+    steps = time_steps(args.model, args.context, tuple(args.tokens), args.repeats, args.dtype, args.draft_weights)
     print(f"kernels: {kernels.path()}, {torch.get_num_threads()} threads")
     for row in ops:
         print(f"{row['op']:>9} {row['form']:>7} {row['us']:>8.1f} us")
     for row in steps:
-        print(f"{row['model']} step of {row['tokens']} at {row['context']}: {row['kernels_ms']:.1f} ms with the "
-              f"kernels, {row['torch_ops_ms']:.1f} ms with torch's ops ({100 * row['saved']:.0f}% saved)")
+        print(f"{row['model']} {row['dtype']} ({row['draft_weights']} weights) step of {row['tokens']} at "
+              f"{row['context']}: {row['kernels_ms']:.1f} ms with the kernels and fused layer calls, "
+              f"{row['python_layers_ms']:.1f} ms calling the kernels one by one "
+              f"({100 * row['layer_calls_saved']:.0f}% saved), {row['torch_ops_ms']:.1f} ms with torch's ops "
+              f"({100 * row['saved']:.0f}% saved)")
     result = {"bench": "step_ops", "isa": best_isa(cpu_flags()), "kernels": kernels.path(),
               "threads": torch.get_num_threads(), "ops": ops, "rows": steps}
     finish_module(args.record, 'step_ops', argv, result, started)
