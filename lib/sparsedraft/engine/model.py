@@ -368,7 +368,7 @@ class Block(nn.Module):
         cos, sin = angles.rows()
         qkv = kernels.layer_head(x, norm.weight, norm.eps, fused[0], attn.cfg.num_heads, cos, sin,
                                  not cache.keys_prerope)
-        return kernels.layer_tail(x, attn.heads(x, angles, cache, capture, qkv), fused[1], tail.weight, tail.eps)
+        return kernels.layer_tail(x, attn.heads(None, angles, cache, capture, qkv), fused[1], tail.weight, tail.eps)
 
 
 def _kernel_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
