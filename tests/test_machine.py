@@ -54,6 +54,18 @@ def test_report_names_cpu_kernel_and_torch_paths_and_warns_once_per_slow_cause(m
         machine.warn_slow(idle, [torch.float32], torch.device("cpu"))
 
 
+def test_a_half_precision_peak_is_at_least_fp32s_each_gemm_measured_once(monkeypatch):
+    calls = []
+
+    def fake(device, dtype, seconds):  # an AVX2-like machine: torch's bf16 GEMM 8x slower than fp32
+        calls.append(dtype)
+        return {torch.float32: 160e9, torch.bfloat16: 20e9, torch.float16: 400e9}[dtype]
+
+    monkeypatch.setattr(machine, "measure_matmul_flops", fake)
+    assert machine.peak_gflops(["bf16", "fp32", "fp16"]) == {"bf16": 160.0, "fp32": 160.0, "fp16": 400.0}
+    assert calls == [torch.bfloat16, torch.float32, torch.float16]
+
+
 def test_peak_gflops_per_dtype_name_and_refuses_unknown_ones():
     peaks = machine.peak_gflops(["fp32", "bf16", "fp32"], "cpu", seconds=0.01)
     assert list(peaks) == ["fp32", "bf16"] and all(v > 0 for v in peaks.values())

@@ -226,8 +226,10 @@ def measure_matmul_flops(device: str | torch.device = "cpu", dtype: torch.dtype 
     A verification of k tokens turns attention from a matrix-vector product
     into a k-row matmul, and a prefill chunk is a GEMM, so the rate that bounds
     them once they stop being memory bound is what a dense matmul reaches here
-    in their dtype (not a datasheet peak: a CPU without bf16 instructions
-    multiplies bf16 several times slower than fp32). One untimed product warms
+    in their dtype (not a datasheet peak). On a CPU without bf16 instructions
+    torch's bf16 GEMM runs several times slower than fp32, so
+    :func:`sparsedraft.engine.machine.peak_gflops` takes fp32's rate for bf16
+    there (widened bf16 products reach it). One untimed product warms
     the kernels; the median of ``repeats`` timed products, each between device
     synchronisations, is returned. The default ``n`` (2 * 2048**3 = 17 GFLOP)
     takes about 0.1 s per fp32 product on a 2-core CPU.
