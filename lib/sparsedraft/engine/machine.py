@@ -102,9 +102,10 @@ def report(device: torch.device | str = "cpu") -> MachineReport:
 def warn_slow(machine: MachineReport, dtypes: Iterable[torch.dtype], device: torch.device) -> None:
     """One warning per cause that makes this run's figures slow for reasons outside the code timed."""
     if device.type == "cpu" and torch.bfloat16 in set(dtypes) and not machine.bf16_native:
-        warnings.warn(f"bf16 on this CPU ({machine.cpu}, no bf16 instructions): torch's bf16 GEMMs (prefill, "
-                      "verification) run several times slower than fp32 here; time fp32, or read the bf16 "
-                      "figures as this machine's, not bf16's", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"bf16 on this CPU ({machine.cpu}, no bf16 instructions): torch's bf16 GEMMs (prefill "
+                      "chunks, steps of more than 16 rows) run several times slower than fp32 here, while "
+                      "smaller steps widen bf16 to fp32 in the C++ kernels; time fp32, or read the bf16 figures "
+                      "as this machine's, not bf16's", RuntimeWarning, stacklevel=2)
     if device.type == "cpu" and machine.busy and machine.threads > 1:
         warnings.warn(f"load average {machine.load_1min:.1f} on {machine.cores} cores: with {machine.threads} "
                       "threads each parallel region waits for a descheduled thread, which can multiply step "
