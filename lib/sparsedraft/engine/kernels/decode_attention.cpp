@@ -60,7 +60,15 @@ constexpr int kAccFloats = 96;
 constexpr int kAccFloats = 48;
 #endif
 constexpr int64_t kChunk = 256;  // keys per work item; fixed positions, part of the exactness contract
-constexpr int64_t kLanes = 16;   // query rows handled side by side in the score and softmax loops
+// Query rows handled side by side in the score and softmax loops: a multiple of one vector register, since a
+// step's R rows are rounded up to it (rp). On AVX2's 8-float registers, 16 put a 7-token verification's 21 rows
+// (GQA 3) in 32 lanes, a third of its scoring and exponentials padding; 8 puts them in 24. Which rows share a
+// block never changes a row's operations, so no bits change either.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 16;
+#endif
 constexpr float kLog2e = 1.4426950408889634f;
 
 inline float madd(float a, float b, float c) {
@@ -213,7 +221,7 @@ void score_keys(const float* qt, const float* k, float* s, int64_t D, int64_t rp
 template <int NV>
 void score_rows(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t v0, int64_t len,
                 const char* next, int64_t next_bytes_per_key) {
-  constexpr int KB = std::clamp(kAccFloats / (NV * static_cast<int>(kLanes)), 1, NV == 1 ? 8 : 4);
+  constexpr int KB = std::clamp(kAccFloats / (NV * static_cast<int>(kLanes)), 1, NV * kLanes <= 16 ? 8 : 4);
   int64_t j = 0;
   for (; j + KB <= len; j += KB) {
     if (next != nullptr)
@@ -580,13 +588,46 @@ void attend_chunk_by_keys(const Shape& sh, const float* qt, const scalar_t* kc, 
     if (seen[r] > seen_by_all) weigh(s, 1, kChunk, v, D, r, r + 1, seen_by_all, seen[r], o);
 }
 
-// The row layout's softmax over one chunk (s[j][rp], rows as lanes): each row's unseen keys masked, then
-// per block of kLanes rows the max, the exponentials in place and their in-order sum into m and l.
+// Rows [v0, v0 + W) of the row layout's softmax over one chunk (s[j][rp], rows as lanes): the max, the
+// exponentials in place and their in-order sum into m and l. While the first block's exponentials are taken,
+// the next chunk's keys are asked for (no load waits on memory then).
+template <int W, typename scalar_t>
+void softmax_rows_block(const Shape& sh, float* s, int64_t v0, int64_t len, const scalar_t* next_k, int64_t next_len,
+                        const int64_t* seen, float* m, float* l) {
+  const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+  float mx[W], sum[W];
+  for (int x = 0; x < W; ++x) mx[x] = -std::numeric_limits<float>::infinity();
+  for (int64_t jj = 0; jj < len; ++jj) {
+    const float* sj = s + jj * rp + v0;
+#pragma omp simd
+    for (int x = 0; x < W; ++x) mx[x] = sj[x] > mx[x] ? sj[x] : mx[x];
+  }
+  for (int x = 0; x < W; ++x) sum[x] = 0.0f;
+  for (int64_t jj = 0; jj < len; ++jj) {
+    if (v0 == 0 && jj < next_len) {
+      const char* key = reinterpret_cast<const char*>(next_k + jj * D);
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(scalar_t)); b += 64) prefetch_l2(key + b);
+    }
+    float* sj = s + jj * rp + v0;
+    for (int x = 0; x < W; x += kLanes) exp2_lanes(sj + x, mx + x);
+#pragma omp simd
+    for (int x = 0; x < W; ++x) sum[x] += sj[x];
+  }
+  for (int64_t x = 0; x < W && v0 + x < R; ++x) {
+    m[v0 + x] = seen[v0 + x] > 0 ? mx[x] : -std::numeric_limits<float>::infinity();
+    l[v0 + x] = sum[x];
+  }
+}
+
+// The row layout's softmax over one chunk: each row's unseen keys masked, then the rows in passes of 16 (each
+// pass reads every key's scores, so two AVX2 blocks of 8 share one; a last block of 8 alone).
 // Returns the keys every row sees (scratch.seen holds each row's count).
 template <typename scalar_t>
 int64_t softmax_by_rows(const Shape& sh, float* s, int64_t c0, int64_t len, const scalar_t* next_k,
                         int64_t next_len, Scratch& scratch, float* m, float* l) {
-  const int64_t D = sh.D, rp = sh.rp, R = sh.R;
+  constexpr int kPass = 16;
+  static_assert(kPass % kLanes == 0);
+  const int64_t rp = sh.rp, R = sh.R;
   int64_t seen_by_all = len;  // keys every row sees; beyond it, rows stop at their own bound
   scratch.seen.resize(R);
   int64_t* seen = scratch.seen.data();
@@ -595,30 +636,11 @@ int64_t softmax_by_rows(const Shape& sh, float* s, int64_t c0, int64_t len, cons
     seen_by_all = std::min(seen_by_all, seen[r]);
     for (int64_t jj = seen[r]; jj < len; ++jj) s[jj * rp + r] = -std::numeric_limits<float>::infinity();
   }
-
-  float mx[kLanes], sum[kLanes];
-  for (int64_t v0 = 0; v0 < rp; v0 += kLanes) {
-    for (int64_t x = 0; x < kLanes; ++x) mx[x] = -std::numeric_limits<float>::infinity();
-    for (int64_t jj = 0; jj < len; ++jj) {
-      const float* sj = s + jj * rp + v0;
-#pragma omp simd
-      for (int64_t x = 0; x < kLanes; ++x) mx[x] = sj[x] > mx[x] ? sj[x] : mx[x];
-    }
-    for (int64_t x = 0; x < kLanes; ++x) sum[x] = 0.0f;
-    for (int64_t jj = 0; jj < len; ++jj) {
-      if (v0 == 0 && jj < next_len) {  // the next chunk's keys come in while no load waits on memory
-        const char* key = reinterpret_cast<const char*>(next_k + jj * D);
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(scalar_t)); b += 64) prefetch_l2(key + b);
-      }
-      float* sj = s + jj * rp + v0;
-      exp2_lanes(sj, mx);
-#pragma omp simd
-      for (int64_t x = 0; x < kLanes; ++x) sum[x] += sj[x];
-    }
-    for (int64_t x = 0; x < kLanes && v0 + x < R; ++x) {
-      m[v0 + x] = seen[v0 + x] > 0 ? mx[x] : -std::numeric_limits<float>::infinity();
-      l[v0 + x] = sum[x];
-    }
+  for (int64_t v0 = 0; v0 < rp; v0 += kPass) {
+    if (rp - v0 >= kPass)
+      softmax_rows_block<kPass>(sh, s, v0, len, next_k, next_len, seen, m, l);
+    else
+      softmax_rows_block<static_cast<int>(kLanes)>(sh, s, v0, len, next_k, next_len, seen, m, l);
   }
   return seen_by_all;
 }
