@@ -243,10 +243,12 @@ def test_a_native_build_that_fails_is_one_warning_naming_why_and_the_portable_bu
     def build(flags):
         if "-march=native" in flags:
             raise RuntimeError("Error building extension\n/tmp/x.s:12: Error: bad register name `%tmmK0'")
-        return types.SimpleNamespace(allow_tiles=lambda on: None)
+        return types.SimpleNamespace(allow_tiles=lambda on: None, allow_pairs=lambda on: None, vector_path="portable")
 
     monkeypatch.setattr(kernels, "_build", build)
     monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_pairs", None)
+    monkeypatch.setattr(kernels, "_pairs_chosen", None)
     monkeypatch.setattr(kernels, "_flags", kernels._flags)
     monkeypatch.setattr(kernels, "_isa", None)  # auto: the flag sets in turn, whatever path the file has forced
     monkeypatch.setattr(kernels, "_failure", None)
@@ -287,6 +289,38 @@ def test_build_failure_reason_is_the_telling_line():
     assert kernels._reason(OSError("")) == "OSError: no message"
 
 
+def other_layout(run):
+    """run() with the few-row linear's AVX2 steps past 8 rows in the layout this process did not choose."""
+    before = kernels.use_pairs(not kernels.use_pairs(True))
+    try:
+        return run()
+    finally:
+        kernels.use_pairs(before)
+
+
+def test_linear_layout_past_8_rows_is_chosen_once_forced_by_the_environment_and_said_by_path(built, monkeypatch):
+    avx2, kept = kernels._module.vector_path.startswith("AVX2"), kernels._pairs
+    monkeypatch.setattr(kernels, "_pairs", None)
+    monkeypatch.setattr(kernels, "_pairs_chosen", None)
+    monkeypatch.setattr(kernels, "_time_pairs", lambda: pytest.fail("a forced layout is not timed"))
+    monkeypatch.setenv(kernels.PAIRS_ENV, "0")
+    try:
+        assert kernels._choose_pairs() is (not avx2)  # other builds ignore the layout: "unused"
+        assert ("linear steps past 8 rows unpaired (SPARSEDRAFT_PAIR_ROWS=0)" in kernels.path()) == avx2
+        assert kernels.use_pairs(True) is (not avx2)
+        assert ("linear steps past 8 rows paired (use_pairs)" in kernels.path()) == avx2
+        monkeypatch.setattr(kernels, "_pairs", None)
+        monkeypatch.setenv(kernels.PAIRS_ENV, "yes")
+        with pytest.raises(SparsedraftError, match="SPARSEDRAFT_PAIR_ROWS='yes' is not allowed"):
+            kernels._choose_pairs()
+        monkeypatch.delenv(kernels.PAIRS_ENV)
+        monkeypatch.setattr(kernels, "_time_pairs", lambda: False)
+        assert kernels._choose_pairs() is (not avx2)
+        assert kernels._pairs_chosen[1] == ("measured" if avx2 else "unused")
+    finally:
+        kernels._module.allow_pairs(kept)  # the module as the rest of this process chose it
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(48, 64), (37, 70), (200, 576)])
 def test_few_rows_linear_matches_torch_and_each_row_is_independent_of_the_others(built, dtype, n, k):
@@ -301,7 +335,7 @@ def test_few_rows_linear_matches_torch_and_each_row_is_independent_of_the_others
         torch.testing.assert_close(out.float(), torch.nn.functional.linear(x[:rows], w, b).float(), **tol)
         for m in range(rows):
             assert torch.equal(out[m], alone[m][0])
-        assert torch.equal(kernels.linear(x[:rows], w, b, paired=False), out)  # AVX2's two row layouts agree
+        assert torch.equal(other_layout(lambda: kernels.linear(x[:rows], w, b)), out)  # AVX2's row layouts agree
     torch.testing.assert_close(kernels.linear(x[None, :3], w).float()[0],
                                torch.nn.functional.linear(x[:3], w).float(), **tol)  # leading dims, no bias
 
@@ -353,7 +387,7 @@ def test_int8_linear_matches_its_dequantised_product_and_rows_are_independent(bu
         torch.testing.assert_close(out.float(), want, **tol)
         for m in range(rows):
             assert torch.equal(out[m], alone[m][0])
-        assert torch.equal(kernels.linear(x[:rows], codes, bias, scale, paired=False), out)
+        assert torch.equal(other_layout(lambda: kernels.linear(x[:rows], codes, bias, scale)), out)
 
 
 def test_int8_linear_module_uses_the_kernel_and_agrees_with_torchs_packed_op(built, monkeypatch):

@@ -3,8 +3,9 @@ it runs (keys as lanes for steps of at most ``kernels.KEY_ROWS`` rows per KV hea
 path alone, and, where bf16 attention runs on AMX tiles, against the same build's vector code. With
 ``--linear``, time instead the few-row linear kernel over every weight matrix of a SmolLM2-135M forward (30
 layers' projections and the head, each its own matrix, so the weights come from memory) for steps of 1-16
-rows of each ``--dtype``: torch's ``F.linear``, the kernel as it runs (AVX2+FMA: rows in pairs past eight),
-unpaired, and for bf16 on AMX tiles the same build's vector code, each beside its roofline time
+rows of each ``--dtype``: torch's ``F.linear``, the kernel as it runs, on AVX2+FMA each of its two layouts past
+eight rows forced (rows in pairs, all rows at once: ``kernels.use_pairs``), and for bf16 on AMX tiles the same
+build's vector code, each beside its roofline time
 max(weight bytes / read bandwidth, FLOPs / the dtype's peak), both measured in this process.
 
 Not a test (a test never asserts a wall-clock time): ``python -m sparsedraft.bench.kernel_timing``.
@@ -22,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.cpuinfo import cpu_flags
-from ..engine.kernels import MAX_LINEAR_ROWS, attend, available, linear, on_tiles, path, use_tiles
+from ..engine.kernels import (MAX_LINEAR_ROWS, attend, available, linear, on_tiles, path, use_pairs,
+                              use_tiles)
 from ..engine.machine import best_isa, peak_gflops, provenance
 from ..engine.roofline import measure_read_bandwidth
 from ..errors import require
@@ -110,17 +112,21 @@ def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2
             return time.perf_counter() - start
         return timed
 
-    def no_tiles(x, w):  # bf16 on the same build's vector code (dot products or widening) instead of AMX tiles
-        before = use_tiles(False)
-        try:
-            return linear(x, w)
-        finally:
-            use_tiles(before)
+    def under(use, on):  # the kernel with a switch (use_tiles, use_pairs) set for the call, then put back
+        def call(x, w):
+            before = use(on)
+            try:
+                return linear(x, w)
+            finally:
+                use(before)
+        return call
 
-    paths = {"torch F.linear": run(F.linear), "kernel": run(lambda x, w: linear(x, w)),
-             "kernel, unpaired": run(lambda x, w: linear(x, w, paired=False))}
+    paths = {"torch F.linear": run(F.linear), "kernel": run(lambda x, w: linear(x, w))}
+    if path().startswith("AVX2") and rows > 8:
+        paths["kernel, paired"] = run(under(use_pairs, True))
+        paths["kernel, unpaired"] = run(under(use_pairs, False))
     if dtype == "bf16" and on_tiles():
-        paths["kernel, no tiles"] = run(no_tiles)
+        paths["kernel, no tiles"] = run(under(use_tiles, False))
     with torch.inference_mode():
         runs = interleaved_runs(paths, warmup, repeats)
     nbytes = sum(w.numel() * w.element_size() for w in weights)

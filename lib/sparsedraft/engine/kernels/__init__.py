@@ -37,7 +37,9 @@ import hashlib
 import logging
 import os
 import platform
+import statistics
 import sys
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -91,6 +93,9 @@ _flags: list[str] | None = None  # the FLAG_SETS entry the module was built with
 _last_mask: tuple[weakref.ref, int, bool] | None = None
 _isa: str | None = None  # use_isa's choice; None: the environment's (SPARSEDRAFT_KERNEL_ISA, default auto)
 _tiles = True  # use_tiles's choice
+PAIRS_ENV = "SPARSEDRAFT_PAIR_ROWS"  # 1 / 0: AVX2 few-row linear steps past 8 rows paired / not, unmeasured
+_pairs: bool | None = None  # the layout those steps run (use_pairs); None until the module loads
+_pairs_chosen: tuple[bool, str] | None = None  # what loading chose, and how: the environment or a timing
 
 
 def enabled() -> bool:
@@ -120,12 +125,12 @@ def use_isa(isa: str | None) -> str:
     """Run the kernels on vector path ``isa`` (one of :data:`ISA_CHOICES`; None: back to the environment's)
     from the next call on; checked against this CPU first. Returns the path asked for before, so a caller
     can put it back."""
-    global _isa, _module, _failure, _flags
+    global _isa, _module, _failure, _flags, _pairs, _pairs_chosen
     before = requested_isa()
     if isa is not None:
         check_isa(isa)
-    if isa != _isa:
-        _isa, _module, _failure, _flags = isa, None, None, None
+    if isa != _isa:  # another build: its linear layout is chosen again when it loads
+        _isa, _module, _failure, _flags, _pairs, _pairs_chosen = isa, None, None, None, None, None
     return before
 
 
@@ -201,6 +206,7 @@ def available() -> bool:
         if _module is not None:
             _failure = None
             _module.allow_tiles(_tiles)
+            _module.allow_pairs(_choose_pairs())
             if native_failed is not None and "-march=native" not in _flags:  # a slower path: say so, once
                 warnings.warn(f"sparsedraft C++ kernels: the -march=native build failed ({native_failed}); "
                               "running the portable build (no vector extensions, no AMX tiles)", RuntimeWarning,
@@ -220,6 +226,54 @@ def use_tiles(on: bool) -> bool:
     before, _tiles = _tiles, bool(on)
     if _module is not None:
         _module.allow_tiles(_tiles)
+    return before
+
+
+def _choose_pairs() -> bool:
+    """The layout of the few-row linear's AVX2 steps of more than 8 rows, chosen as the module loads:
+    ``SPARSEDRAFT_PAIR_ROWS`` when set, else whichever a short timing here finds faster. Both give the same bits;
+    which is faster differs between machines (paired 1.5x faster at 16 rows on one AVX2 machine, 1.2x slower on
+    a Zen 3 EPYC; docs/engine.md). Other builds ignore it."""
+    global _pairs, _pairs_chosen
+    if _pairs is None:
+        value = os.environ.get(PAIRS_ENV)
+        require(value in (None, "0", "1"), lambda: f"{PAIRS_ENV}={value!r} is not allowed; set {PAIRS_ENV}=1 "
+                                                   "(pairs), 0 (all rows at once), or unset it (measured here)")
+        if not _module.vector_path.startswith("AVX2"):
+            _pairs_chosen = (True, "unused")
+        elif value is not None:
+            _pairs_chosen = (value == "1", f"{PAIRS_ENV}={value}")
+        else:
+            _pairs_chosen = (_time_pairs(), "measured")
+        _pairs = _pairs_chosen[0]
+    return _pairs
+
+
+def _time_pairs(rows: int = 12, repeats: int = 5) -> bool:
+    """Whether ``rows`` rows through a SmolLM2-sized weight (14 MB, from memory like a step's) run faster paired,
+    the two layouts taking turns ``repeats`` times after one untimed round (about 20 ms)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, none = torch.randn(rows, 576, generator=gen), torch.randn(6144, 576, generator=gen), torch.empty(0)
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            for paired in (True, False):
+                _module.allow_pairs(paired)
+                start = time.perf_counter()
+                _module.linear(x, w, none)
+                seconds[paired].append(time.perf_counter() - start)
+    return statistics.median(seconds[True][1:]) <= statistics.median(seconds[False][1:])
+
+
+def use_pairs(on: bool) -> bool:
+    """Run the few-row linear's AVX2 steps of more than 8 rows two rows at a time over two weight rows (True)
+    or all rows at once (False) instead of the layout chosen when the module loaded, so a bench or a test can
+    run both in one process (same bits either way; other builds ignore it). Builds like :func:`available`;
+    returns the previous choice."""
+    global _pairs
+    require(available(), lambda: f"kernels.use_pairs needs the C++ kernels: {path()}")
+    before, _pairs = _pairs, bool(on)
+    _module.allow_pairs(_pairs)
     return before
 
 
@@ -243,7 +297,12 @@ def path() -> str:
     else:
         how = "-march=native" if any(f.startswith("-march=") for f in _flags) else "portable flags"
     tiles = {1: ", bf16 attention and linear on AMX tiles", -1: ", AMX tiles refused by the OS (arch_prctl)"}
-    return f"{_module.vector_path} ({how}){tiles.get(_module.tiles(), '')}"
+    pairs = ""
+    if _pairs_chosen[1] != "unused":
+        chosen, by = _pairs_chosen
+        pairs = (f", linear steps past 8 rows {'paired' if _pairs else 'unpaired'} "
+                 f"({by if _pairs == chosen else 'use_pairs'})")
+    return f"{_module.vector_path} ({how}){tiles.get(_module.tiles(), '')}{pairs}"
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> None:
@@ -354,15 +413,14 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None, paired: bool = True) -> torch.Tensor:
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for 1..:data:`MAX_LINEAR_ROWS` rows of x [..., K] on CPU (fp32 or bf16, weight [N, K]
     contiguous), each weight row read once for all rows. The weight is of x's dtype, or int8 codes with a
     ``scale`` per output row (``(x @ codes^T) * scale``: a quarter of fp32's weight bytes, the scale applied
     after the sum). Row m's result is bitwise the same whatever the number of rows, which torch's own
-    kernels do not promise. ``paired`` (the AVX2+FMA path; the others ignore it): a step of more than 8 rows
-    runs two rows at a time over two weight rows, whose accumulators fit AVX2's 16 registers, instead of all
-    rows at once, which spills there (same bits either way; ``bench.kernel_timing --linear`` times both).
-    Call :func:`available` first."""
+    kernels do not promise. On AVX2+FMA a step of more than 8 rows runs in the layout :func:`use_pairs` says
+    (two rows at a time, whose accumulators fit AVX2's 16 registers, or all at once, which spills there; same
+    bits either way, measured once per process). Call :func:`available` first."""
     # A decode step makes ~200 of these calls: the checks stay cheap (messages built only when raised, the
     # empty bias made once), since wrapper time once matched the kernel's on small weights.
     rows = x.numel() // max(x.shape[-1], 1)
@@ -377,8 +435,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             bias = _NO_BIAS[x.dtype] = torch.empty(0, dtype=x.dtype)
     if not x.is_contiguous():
         x = x.contiguous()
-    return (_module.linear(x, weight, bias, paired) if scale is None  # out [..., N], x's leading dims
-            else _module.linear_int8(x, weight, scale.float().contiguous(), bias, paired))
+    return (_module.linear(x, weight, bias) if scale is None  # out [..., N], x's leading dims
+            else _module.linear_int8(x, weight, scale.float().contiguous(), bias))
 
 
 _NO_BIAS: dict[torch.dtype, torch.Tensor] = {}  # linear's "no bias" argument, one per dtype

@@ -179,8 +179,9 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
 // of the matmul peak). Paired, the rows go two at a time over NB = 2 weight rows: 8 accumulators, 4 weight
 // vectors and 2 of x, one load per multiply-add, the weight rows re-read from L1 for each pair. No
 // (row, output) pair's sequence of operations changes, so the bits are those of the unpaired layout.
-// Timed over SmolLM2's weights (bench.kernel_timing --linear): unpaired wins up to 7 rows, ties at 8,
-// paired wins from 9 (1.5x at 16).
+// Which layout wins past 8 rows depends on the machine (bench.kernel_timing --linear over SmolLM2's weights:
+// paired 1.5x faster at 16 rows on one AVX2 machine, 1.2x slower on a Zen 3 EPYC), so rows_paired (kernels.h),
+// which Python measures once per process, decides.
 constexpr int kPairFrom = 8;
 template <int M, typename W>
 void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len, bool two, int64_t ahead) {
@@ -199,7 +200,7 @@ void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t 
 // Rows of W [n0, n1) against all M rows of xf (float32 copy of x, [M, K]); results as float32.
 // Lane l of acc[m] sums k = l, l + 16, ... (one multiply-add each, in k order): the AVX-512, AVX2+FMA
 // and portable paths do the same operations (with FMA, the same bits), 16 lanes at a time. ``paired``
-// (AVX2+FMA only) runs steps of more than kPairFrom rows two at a time (avx2_paired); the others ignore it.
+// (AVX2+FMA only: rows_paired) runs steps of more than kPairFrom rows two at a time (avx2_paired).
 template <int M, typename W>
 void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, float* yf, int64_t n_len,
           bool paired) {
@@ -491,12 +492,12 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
   return out;
 }
 
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired) {
-  return rows_linear(x, w, at::Tensor(), bias, paired);
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  return rows_linear(x, w, at::Tensor(), bias, rows_paired.load(std::memory_order_relaxed));
 }
 
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                const at::Tensor& bias, bool paired) {
+                                const at::Tensor& bias) {
   TORCH_CHECK(codes.scalar_type() == at::kChar, "few_rows_linear_int8 takes int8 codes");
-  return rows_linear(x, codes, scale, bias, paired);
+  return rows_linear(x, codes, scale, bias, rows_paired.load(std::memory_order_relaxed));
 }

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -13,9 +14,9 @@ at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tens
                        const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale, int64_t T,
                        int64_t key_rows);
 int64_t attend_chunk();
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool paired);
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                const at::Tensor& bias, bool paired);
+                                const at::Tensor& bias);
 at::Tensor step_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor step_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 std::vector<at::Tensor> step_layer_head(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
@@ -23,3 +24,8 @@ std::vector<at::Tensor> step_layer_head(const at::Tensor& x, const at::Tensor& n
                                         const at::Tensor& sin, bool rope_keys);
 at::Tensor step_layer_tail(const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& lin,
                            const at::Tensor& norm_weight, double eps);
+
+// Whether an AVX2+FMA build runs few-row linear steps of more than 8 rows two rows at a time (avx2_paired) or
+// all rows at once; the bits are the same, the speed depends on the machine, so Python measures it once and
+// sets this (kernels.use_pairs). Other builds ignore it.
+inline std::atomic<bool> rows_paired{true};

@@ -25,8 +25,8 @@ namespace {
 // lin[i], lin[i + 1], lin[i + 2]: a weight (or int8 codes), its bias (empty: none) and its scale per output row
 // (empty: not int8).
 at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& lin, size_t i) {
-  return lin[i + 2].numel() > 0 ? few_rows_linear_int8(x, lin[i], lin[i + 2], lin[i + 1], true)
-                                : few_rows_linear(x, lin[i], lin[i + 1], true);
+  return lin[i + 2].numel() > 0 ? few_rows_linear_int8(x, lin[i], lin[i + 2], lin[i + 1])
+                                : few_rows_linear(x, lin[i], lin[i + 1]);
 }
 
 }  // namespace
