@@ -299,7 +299,8 @@ def other_layout(run):
 
 
 def test_linear_layout_past_8_rows_is_chosen_once_forced_by_the_environment_and_said_by_path(built, monkeypatch):
-    avx2, kept = kernels._module.vector_path.startswith("AVX2"), kernels._pairs
+    module, kept = kernels._module, kernels._pairs
+    avx2 = module.vector_path.startswith("AVX2")
     monkeypatch.setattr(kernels, "_pairs", None)
     monkeypatch.setattr(kernels, "_pairs_chosen", None)
     monkeypatch.setattr(kernels, "_time_pairs", lambda: pytest.fail("a forced layout is not timed"))
@@ -313,12 +314,17 @@ def test_linear_layout_past_8_rows_is_chosen_once_forced_by_the_environment_and_
         monkeypatch.setenv(kernels.PAIRS_ENV, "yes")
         with pytest.raises(SparsedraftError, match="SPARSEDRAFT_PAIR_ROWS='yes' is not allowed"):
             kernels._choose_pairs()
+        monkeypatch.setattr(kernels, "_module", None)
+        monkeypatch.setattr(kernels, "_build", lambda flags: pytest.fail("built with a bad layout setting"))
+        with pytest.raises(SparsedraftError, match="SPARSEDRAFT_PAIR_ROWS='yes' is not allowed"):
+            kernels.available()
+        monkeypatch.setattr(kernels, "_module", module)
         monkeypatch.delenv(kernels.PAIRS_ENV)
         monkeypatch.setattr(kernels, "_time_pairs", lambda: False)
         assert kernels._choose_pairs() is (not avx2)
         assert kernels._pairs_chosen[1] == ("measured" if avx2 else "unused")
     finally:
-        kernels._module.allow_pairs(kept)  # the module as the rest of this process chose it
+        module.allow_pairs(kept)  # the module as the rest of this process chose it
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

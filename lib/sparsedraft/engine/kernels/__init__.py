@@ -194,6 +194,7 @@ def available() -> bool:
     if _failure is None:
         isa = requested_isa()
         check_isa(isa)
+        _pairs_env()  # a bad value is refused before the build, not after it
         native_failed = None  # why the -march=native build failed, when a later one is kept
         for flags in FLAG_SETS if isa == "auto" else (ISA_FLAGS[isa],):
             try:
@@ -236,9 +237,7 @@ def _choose_pairs() -> bool:
     a Zen 3 EPYC; docs/engine.md). Other builds ignore it."""
     global _pairs, _pairs_chosen
     if _pairs is None:
-        value = os.environ.get(PAIRS_ENV)
-        require(value in (None, "0", "1"), lambda: f"{PAIRS_ENV}={value!r} is not allowed; set {PAIRS_ENV}=1 "
-                                                   "(pairs), 0 (all rows at once), or unset it (measured here)")
+        value = _pairs_env()
         if not _module.vector_path.startswith("AVX2"):
             _pairs_chosen = (True, "unused")
         elif value is not None:
@@ -247,6 +246,14 @@ def _choose_pairs() -> bool:
             _pairs_chosen = (_time_pairs(), "measured")
         _pairs = _pairs_chosen[0]
     return _pairs
+
+
+def _pairs_env() -> str | None:
+    """``SPARSEDRAFT_PAIR_ROWS`` ("1", "0" or unset: None), refused when it is anything else."""
+    value = os.environ.get(PAIRS_ENV)
+    require(value in (None, "0", "1"), lambda: f"{PAIRS_ENV}={value!r} is not allowed; set {PAIRS_ENV}=1 (pairs), "
+                                               "0 (all rows at once), or unset it (measured here)")
+    return value
 
 
 def _time_pairs(rows: int = 12, repeats: int = 5) -> bool:
