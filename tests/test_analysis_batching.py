@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 
 from sparsedraft.engine import kernels
@@ -16,9 +13,10 @@ from sparsedraft.engine.weights import load_config
 CFG = load_config("tiny-llama")
 
 
-def test_lanes_constant_is_the_kernels():
-    source = (Path(kernels.__file__).parent / "decode_attention.cpp").read_text()
-    assert int(re.search(r"constexpr int64_t kLanes = (\d+);", source).group(1)) == kernels.LANES
+def test_lanes_are_the_built_kernels_one_register_on_avx2_alone():
+    if not kernels.available():
+        pytest.skip("no C++ kernels here")
+    assert kernels.lanes() == (8 if kernels.path().startswith("AVX2") else 16)
 
 
 def test_attention_rows_round_a_group_up_to_whole_lane_blocks():

@@ -28,7 +28,7 @@ def attention_rows(cfg: ModelConfig, tokens: int, lanes: int = 1, key_rows: int 
     """Query rows an attention kernel computes per KV head for a ``tokens``-token step: the group's
     ``group_size * tokens`` rows, rounded up to whole blocks of ``lanes``, except for steps of at most
     ``key_rows`` rows, which the kernel computes with keys as lanes and so pays only their own rows
-    (this library's CPU kernel: ``kernels.LANES`` and ``kernels.KEY_ROWS``)."""
+    (this library's CPU kernel: ``kernels.lanes()`` and ``kernels.KEY_ROWS``)."""
     require(tokens >= 1 and lanes >= 1 and key_rows >= 0,
             f"tokens and lanes must be >= 1 and key_rows >= 0, got {tokens}, {lanes}, {key_rows}")
     rows = cfg.group_size * tokens

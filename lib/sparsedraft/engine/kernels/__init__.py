@@ -56,7 +56,6 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in
 # compiled into the sources, so part of the build key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernels.h", "prefetch.h", "tiles.h"))
 MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
-LANES = 16  # decode_attention.cpp's kLanes: query rows of a KV head are computed in blocks of this many
 # Steps with at most this many query rows per KV head (a decode's group of g heads, a 2-token step) compute
 # with keys as lanes instead: row lanes would be mostly padding (3 of 16 for SmolLM2's decode). Where the
 # two cross: `python -m sparsedraft.bench.kernel_timing` times both (docs/engine.md).
@@ -282,6 +281,14 @@ def use_pairs(on: bool) -> bool:
     before, _pairs = _pairs, bool(on)
     _module.allow_pairs(_pairs)
     return before
+
+
+def lanes() -> int:
+    """Query rows of a KV head the attention kernel computes side by side, as built here (decode_attention.cpp's
+    kLanes: 8 on an AVX2 build without AVX-512, one register; 16 elsewhere): a step's rows are rounded up to
+    it, outside the keys-as-lanes steps (:data:`KEY_ROWS`). Builds like :func:`available`."""
+    require(available(), lambda: f"kernels.lanes needs the C++ kernels: {path()}")
+    return int(_module.lanes)
 
 
 def on_tiles() -> bool:

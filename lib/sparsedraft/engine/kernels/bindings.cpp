@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "GQA decode/verification attention over a KV cache (see decode_attention.cpp)");
   m.def("attend_int8", &attend_int8, "the same over int8 codes (a scale per key) plus a float tail");
   m.attr("chunk") = attend_chunk();
+  m.attr("lanes") = attend_lanes();
   m.def("allow_tiles", [](bool allow) { tiles_allowed.store(allow); },
         "let bf16 attention and linear use AMX tiles where built (default) or not");
   m.def("tiles", &tiles, "1: bf16 attention and few-row linear on AMX tiles; 0: not built or off; -1: refused");

@@ -1180,6 +1180,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor&
 
 int64_t attend_chunk() { return kChunk; }
 
+int64_t attend_lanes() { return kLanes; }
+
 at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& vc,
                        const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale, int64_t T,
                        int64_t key_rows) {

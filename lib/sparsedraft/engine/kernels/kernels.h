@@ -14,6 +14,7 @@ at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tens
                        const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale, int64_t T,
                        int64_t key_rows);
 int64_t attend_chunk();
+int64_t attend_lanes();
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& bias);
