@@ -232,8 +232,8 @@ def use_tiles(on: bool) -> bool:
 def _choose_pairs() -> bool:
     """The layout of the few-row linear's AVX2 steps of more than 8 rows, chosen as the module loads:
     ``SPARSEDRAFT_PAIR_ROWS`` when set, else whichever a short timing here finds faster. Both give the same bits;
-    which is faster differs between machines (paired 1.5x faster at 16 rows on one AVX2 machine, 1.2x slower on
-    a Zen 3 EPYC; docs/engine.md). Other builds ignore it."""
+    which is faster differs between machines (paired 1.5x faster at 16 rows on one AVX2 machine, 1.25-1.55x slower
+    at 9-16 rows on a Zen 3 EPYC; docs/engine.md). Other builds ignore it."""
     global _pairs, _pairs_chosen
     if _pairs is None:
         value = _pairs_env()
@@ -256,8 +256,8 @@ def _pairs_env() -> str | None:
 
 
 def _time_pairs(rows: int = 12, repeats: int = 5) -> bool:
-    """Whether ``rows`` rows through a SmolLM2-sized weight (14 MB, from memory like a step's) run faster paired,
-    the two layouts taking turns ``repeats`` times after one untimed round (about 20 ms)."""
+    """Whether ``rows`` rows through a 14 MB fp32 weight (past L2, like a step's) run faster paired, the two
+    layouts taking turns ``repeats`` times after one untimed round (about 30 ms on a 2-core EPYC)."""
     gen = torch.Generator().manual_seed(0)
     x, w, none = torch.randn(rows, 576, generator=gen), torch.randn(6144, 576, generator=gen), torch.empty(0)
     seconds: dict[bool, list[float]] = {True: [], False: []}

@@ -180,8 +180,8 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
 // vectors and 2 of x, one load per multiply-add, the weight rows re-read from L1 for each pair. No
 // (row, output) pair's sequence of operations changes, so the bits are those of the unpaired layout.
 // Which layout wins past 8 rows depends on the machine (bench.kernel_timing --linear over SmolLM2's weights:
-// paired 1.5x faster at 16 rows on one AVX2 machine, 1.2x slower on a Zen 3 EPYC), so rows_paired (kernels.h),
-// which Python measures once per process, decides.
+// paired 1.5x faster at 16 rows on one AVX2 machine, 1.25-1.55x slower at 9-16 on a Zen 3 EPYC), so
+// rows_paired (kernels.h), which Python measures once per process, decides.
 constexpr int kPairFrom = 8;
 template <int M, typename W>
 void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len, bool two, int64_t ahead) {
