@@ -290,7 +290,7 @@ def test_build_failure_reason_is_the_telling_line():
 
 
 def other_layout(run):
-    """run() with the few-row linear's AVX2 steps past 8 rows in the layout this process did not choose."""
+    """run() with the few-row linear's AVX2 steps past pair_from() rows in the layout this process did not choose."""
     before = kernels.use_pairs(not kernels.use_pairs(True))
     try:
         return run()
@@ -307,9 +307,11 @@ def test_linear_layout_past_8_rows_is_chosen_once_forced_by_the_environment_and_
     monkeypatch.setenv(kernels.PAIRS_ENV, "0")
     try:
         assert kernels._choose_pairs() is (not avx2)  # other builds ignore the layout: "unused"
-        assert ("linear steps past 8 rows unpaired (SPARSEDRAFT_PAIR_ROWS=0)" in kernels.path()) == avx2
+        past = f"linear steps past {kernels.pair_from()} rows"
+        assert 1 <= kernels.pair_from() < kernels.MAX_LINEAR_ROWS
+        assert (f"{past} unpaired (SPARSEDRAFT_PAIR_ROWS=0)" in kernels.path()) == avx2
         assert kernels.use_pairs(True) is (not avx2)
-        assert ("linear steps past 8 rows paired (use_pairs)" in kernels.path()) == avx2
+        assert (f"{past} paired (use_pairs)" in kernels.path()) == avx2
         monkeypatch.setattr(kernels, "_pairs", None)
         monkeypatch.setenv(kernels.PAIRS_ENV, "yes")
         with pytest.raises(SparsedraftError, match="SPARSEDRAFT_PAIR_ROWS='yes' is not allowed"):

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.cpuinfo import cpu_flags
-from ..engine.kernels import (MAX_LINEAR_ROWS, attend, available, linear, on_tiles, path, use_pairs,
-                              use_tiles)
+from ..engine.kernels import (MAX_LINEAR_ROWS, attend, available, linear, on_tiles, pair_from, path,
+                              use_pairs, use_tiles)
 from ..engine.machine import best_isa, peak_gflops, provenance
 from ..engine.roofline import measure_read_bandwidth
 from ..errors import require
@@ -122,7 +122,7 @@ def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2
         return call
 
     paths = {"torch F.linear": run(F.linear), "kernel": run(lambda x, w: linear(x, w))}
-    if path().startswith("AVX2") and rows > 8:
+    if path().startswith("AVX2") and rows > pair_from():
         paths["kernel, paired"] = run(under(use_pairs, True))
         paths["kernel, unpaired"] = run(under(use_pairs, False))
     if dtype == "bf16" and on_tiles():

@@ -361,7 +361,7 @@ class Block(nn.Module):
         attn, norm, tail = self.self_attn, self.input_layernorm, self.post_attention_layernorm
         fused = _step_linears(self, x)
         if fused is None:
-            x = x + project(attn.o_proj, attn.heads(norm(x), angles, cache, capture))
+            x = x + attn(norm(x), angles, cache, capture)
             return x + self.mlp(tail(x))
         # A step's rows: the norm, q/k/v and RoPE in one C++ call, o_proj to the MLP's residual in another; the
         # same kernels and ATen ops in the same order as the lines above, so the same bits.

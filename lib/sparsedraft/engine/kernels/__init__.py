@@ -92,7 +92,7 @@ _flags: list[str] | None = None  # the FLAG_SETS entry the module was built with
 _last_mask: tuple[weakref.ref, int, bool] | None = None
 _isa: str | None = None  # use_isa's choice; None: the environment's (SPARSEDRAFT_KERNEL_ISA, default auto)
 _tiles = True  # use_tiles's choice
-PAIRS_ENV = "SPARSEDRAFT_PAIR_ROWS"  # 1 / 0: AVX2 few-row linear steps past 8 rows paired / not, unmeasured
+PAIRS_ENV = "SPARSEDRAFT_PAIR_ROWS"  # 1 / 0: AVX2 few-row linear steps past pair_from() rows paired / not
 _pairs: bool | None = None  # the layout those steps run (use_pairs); None until the module loads
 _pairs_chosen: tuple[bool, str] | None = None  # what loading chose, and how: the environment or a timing
 
@@ -255,11 +255,13 @@ def _pairs_env() -> str | None:
     return value
 
 
-def _time_pairs(rows: int = 12, repeats: int = 5) -> bool:
-    """Whether ``rows`` rows through a 14 MB fp32 weight (past L2, like a step's) run faster paired, the two
-    layouts taking turns ``repeats`` times after one untimed round (about 30 ms on a 2-core EPYC)."""
+def _time_pairs(repeats: int = 5) -> bool:
+    """Whether four rows past :func:`pair_from` through a 14 MB fp32 weight (past L2, like a step's) run faster
+    paired, the two layouts taking turns ``repeats`` times after one untimed round (about 30 ms on a 2-core
+    EPYC)."""
     gen = torch.Generator().manual_seed(0)
-    x, w, none = torch.randn(rows, 576, generator=gen), torch.randn(6144, 576, generator=gen), torch.empty(0)
+    x = torch.randn(int(_module.pair_from) + 4, 576, generator=gen)
+    w, none = torch.randn(6144, 576, generator=gen), torch.empty(0)
     seconds: dict[bool, list[float]] = {True: [], False: []}
     with torch.inference_mode():
         for _ in range(repeats + 1):
@@ -281,6 +283,13 @@ def use_pairs(on: bool) -> bool:
     before, _pairs = _pairs, bool(on)
     _module.allow_pairs(_pairs)
     return before
+
+
+def pair_from() -> int:
+    """Steps of more rows than this may run in pairs on AVX2+FMA (few_rows_linear.cpp's kPairFrom, as built):
+    the layout :func:`use_pairs` switches. Builds like :func:`available`."""
+    require(available(), lambda: f"kernels.pair_from needs the C++ kernels: {path()}")
+    return int(_module.pair_from)
 
 
 def lanes() -> int:
@@ -314,7 +323,7 @@ def path() -> str:
     pairs = ""
     if _pairs_chosen[1] != "unused":
         chosen, by = _pairs_chosen
-        pairs = (f", linear steps past 8 rows {'paired' if _pairs else 'unpaired'} "
+        pairs = (f", linear steps past {_module.pair_from} rows {'paired' if _pairs else 'unpaired'} "
                  f"({by if _pairs == chosen else 'use_pairs'})")
     return f"{_module.vector_path} ({how}){tiles.get(_module.tiles(), '')}{pairs}"
 

@@ -47,8 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "let bf16 attention and linear use AMX tiles where built (default) or not");
   m.def("tiles", &tiles, "1: bf16 attention and few-row linear on AMX tiles; 0: not built or off; -1: refused");
   m.attr("vector_path") = vector_path();
+  m.attr("pair_from") = linear_pair_from();
   m.def("allow_pairs", [](bool on) { rows_paired.store(on); },
-        "AVX2+FMA: run few-row linear steps past 8 rows two rows at a time (true) or all rows at once");
+        "AVX2+FMA: run few-row linear steps past pair_from rows two rows at a time (true) or all rows at once");
   m.def("linear", &few_rows_linear, "x W^T (+ b) for 1..16 rows, each weight read once (few_rows_linear.cpp)");
   m.def("linear_int8", &few_rows_linear_int8, "(x Q^T) * scale (+ b) for 1..16 rows over int8 codes Q");
   m.def("rms_norm", &step_rms_norm, "RMSNorm of each row, Hugging Face's order (step_pointwise.cpp)");

@@ -37,6 +37,7 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxRows = 16;
+constexpr int64_t kPairFrom = 8;  // AVX2+FMA steps of more rows may run in pairs (avx2_paired, rows_paired)
 constexpr int64_t kGrain = 16;  // weight rows per parallel work item
 constexpr int64_t kAheadBytes = 4096;  // how far ahead of the weight rows in use the vector paths ask for more
 
@@ -179,10 +180,9 @@ void avx2_rows(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_
 // of the matmul peak). Paired, the rows go two at a time over NB = 2 weight rows: 8 accumulators, 4 weight
 // vectors and 2 of x, one load per multiply-add, the weight rows re-read from L1 for each pair. No
 // (row, output) pair's sequence of operations changes, so the bits are those of the unpaired layout.
-// Which layout wins past 8 rows depends on the machine (bench.kernel_timing --linear over SmolLM2's weights:
-// paired 1.5x faster at 16 rows on one AVX2 machine, 1.25-1.55x slower at 9-16 on a Zen 3 EPYC), so
-// rows_paired (kernels.h), which Python measures once per process, decides.
-constexpr int kPairFrom = 8;
+// Which layout wins past kPairFrom rows depends on the machine (bench.kernel_timing --linear over SmolLM2's
+// weights: paired 1.5x faster at 16 rows on one AVX2 machine, 1.25-1.55x slower at 9-16 on a Zen 3 EPYC),
+// so rows_paired (kernels.h), which Python measures once per process, decides.
 template <int M, typename W>
 void avx2_paired(const float* xf, const W* wn, int64_t k_len, float* y, int64_t n_len, bool two, int64_t ahead) {
   int64_t m = 0;
@@ -501,3 +501,5 @@ at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, co
   TORCH_CHECK(codes.scalar_type() == at::kChar, "few_rows_linear_int8 takes int8 codes");
   return rows_linear(x, codes, scale, bias, rows_paired.load(std::memory_order_relaxed));
 }
+
+int64_t linear_pair_from() { return kPairFrom; }
