@@ -118,16 +118,17 @@ def sampling_pair():
     return target, head_for(target, noise=0.5)
 
 
-def exact_law(target, sampling: SamplingConfig) -> tuple[dict, dict]:
+def exact_law(target, sampling: SamplingConfig, prompt: torch.Tensor = PROMPT) -> tuple[dict, dict]:
+    """The target's law of the first token and of the first pair after ``prompt``."""
     from sparsedraft.engine.prefill import prefill
     from sparsedraft.engine.sampling import probabilities
 
     def law(tokens):
         return probabilities(prefill(target, target.new_cache(tokens.shape[1]), tokens)[0], sampling)
-    first, one, two = law(PROMPT), {}, {}
+    first, one, two = law(prompt), {}, {}
     for a in range(VOCAB):
         one[(a,)] = float(first[a])
-        second = law(torch.cat((PROMPT, torch.tensor([[a]])), 1))
+        second = law(torch.cat((prompt, torch.tensor([[a]])), 1))
         for b in range(VOCAB):
             two[(a, b)] = float(first[a] * second[b])
     return one, two

@@ -5,7 +5,8 @@ measures any drafter folder the same way, on the same cached positions: the targ
 continuations of held-out prompts (what a greedy speculative decoder's first draft faces). It prints and
 records the first draft's agreement, the drafts kept per round that those continuations imply at each gamma
 (and how often draft j is kept once drafts 1..j-1 were, which says where rounds stop), the same for a
-drafter that stops on its own confidence (``draft_confidence``: drafts and kept drafts per round),
+drafter that stops on its own confidence (``draft_confidence``: drafts and kept drafts per round), the same
+rounds for prompt lookup alone and for lookup first with the head (``draft_lookup``),
 that agreement split by the target's own top-1 probability at each position (how much of the gap is the
 target's uncertainty), and, given ``--slice``, the slice drafter's first draft on the same positions.
 
@@ -84,6 +85,16 @@ def main(argv: list[str] | None = None) -> None:
         cells = ", ".join(f"gamma {g} {row['accepted_per_round']:.2f} of {row['drafted_per_round']:.2f}"
                           for g, row in by_gamma.items())
         print(f"  stopping after a draft less sure than {at}: drafts kept of drafted per round: {cells}")
+    alone = report["lookup"]
+    print(f"prompt lookup alone: first draft {alone['first_draft']:.1%}; drafts kept of drafted per round: "
+          + ", ".join(f"gamma {g} {row['accepted_per_round']:.2f} of {row['drafted_per_round']:.2f}"
+                      for g, row in alone["gamma"].items()))
+    for name, label in (("", "full head"), ("_vocab", f"head over {args.draft_vocab} tokens")):
+        for c, row in report.get(f"lookup_first{name}", {}).items():
+            cells = ", ".join(f"gamma {g} {r['accepted_per_round']:.2f} of {r['drafted_per_round']:.2f}"
+                              for g, r in row["gamma"].items())
+            print(f"lookup first, {label}, draft_lookup {c}: first draft {row['first_draft']:.1%}, lookup drafts at "
+                  f"{row['lookup_starts']:.0%} of starts; kept of drafted per round: {cells}")
     if "slice_first_draft" in report:
         print(f"slice drafter {args.slice}: first draft {report['slice_first_draft']['first_draft']:.1%}")
     finish_module(args.record, 'agreement', argv, result, started)

@@ -23,7 +23,10 @@
     same rounds for a drafter that ends a proposal after a draft less sure
     than each of :data:`STOP_AT` (``draft_confidence``): drafts and accepted
     drafts per round, so the rows a verification saves show beside what
-    they cost in accepted tokens.
+    they cost in accepted tokens. ``lookup`` runs prompt lookup's rounds on
+    the same text, and ``lookup_first`` those of
+    :class:`~sparsedraft.speculative.lookup_first.LookupFirst` (lookup unless
+    the head is sure of another token) at each of :data:`LOOKUP_OVERRIDES`.
 
 Every measure is given for the full head and, when a draft vocabulary is
 passed, for the restricted head over it. The continuation set is cached on
@@ -44,6 +47,7 @@ from safetensors.torch import load_file
 from ..engine.data import Tokenizer, prompt_tokens
 from ..engine.model import Capture, Transformer
 from ..errors import require
+from ..speculative.drafters import ngram_lookup
 from ..speculative.feature import FeatureHead
 from .feature_data import FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, layers_key, save_tensors
 from .feature_loss import TokenHead, unroll
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
 
 GAMMAS = (2, 3, 4, 5, 6)
 STOP_AT = (0.3, 0.4, 0.5, 0.6, 0.7)  # drafter confidences (draft_confidence) whose early stops (c) simulates
+LOOKUP_OVERRIDES = (0.5, 0.7, 1.0)  # draft_lookup values whose rounds (c) simulates, beside prompt lookup alone
 # Buckets of the target's own top-1 probability at a scored position (continuation_report's by_target_confidence)
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
@@ -143,16 +148,21 @@ def accepted_per_round(matches: torch.Tensor, gamma: int) -> list[int]:
     return [accepted for _, accepted in stopped_rounds(matches, gamma)]
 
 
-def stopped_rounds(matches: torch.Tensor, gamma: int, sure: torch.Tensor | None = None) -> list[tuple[int, int]]:
+def stopped_rounds(matches: torch.Tensor, gamma: int, sure: torch.Tensor | None = None,
+                   lengths: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """(drafted, accepted) of each round of :func:`accepted_per_round`; with ``sure`` [starts, >= gamma] bool
     (draft j's own top-1 probability reached the drafter's ``confidence``), a round ends after its first draft
-    that is not sure, as :func:`~sparsedraft.speculative.drafters.sure` makes a drafter stop."""
+    that is not sure, as :func:`~sparsedraft.speculative.drafters.sure` makes a drafter stop; with ``lengths``
+    [starts], a round drafts no more than the proposal at its start holds (prompt lookup's may be short or
+    empty)."""
     out, row = [], 0
     while row < matches.shape[0]:
         drafted = gamma
         if sure is not None:
             unsure = (~sure[row, :gamma]).nonzero()
             drafted = int(unsure[0]) + 1 if unsure.numel() else gamma
+        if lengths is not None:
+            drafted = min(drafted, int(lengths[row]))
         accepted = int(matches[row, :drafted].long().cumprod(0).sum())
         out.append((drafted, accepted))
         row += accepted + 1
@@ -171,11 +181,44 @@ def chain_conditionals(matches: torch.Tensor) -> list[dict[str, Any]]:
             for j, (n, k) in enumerate(zip(reached, kept))]
 
 
+def lookup_matches(tokens: torch.Tensor, entries: torch.Tensor,
+                   gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt lookup at each of ``entries`` of one continuation ``tokens`` [T] (entry e: the committed text is
+    ``tokens[:e + 2]``, as for the head's draft from entry e): [entries, gamma] bool, its draft j equals the
+    target's token e + 2 + j (False past the proposal or the text); [entries] the proposal's length; [entries]
+    its first token (-1 where it found none)."""
+    matches = torch.zeros(entries.numel(), gamma, dtype=torch.bool)
+    lengths = torch.zeros(entries.numel(), dtype=torch.long)
+    first = torch.full((entries.numel(),), -1, dtype=torch.long)
+    for i, e in enumerate(entries.tolist()):
+        found = ngram_lookup(tokens[:e + 2], gamma)
+        truth = tokens[e + 2:e + 2 + found.numel()]
+        n = truth.numel()
+        matches[i, :n], lengths[i] = found[:n] == truth, found.numel()
+        if found.numel():
+            first[i] = found[0]
+    return matches, lengths, first
+
+
+def lookup_first_choice(head_matches: torch.Tensor, head_first: torch.Tensor, head_sure: torch.Tensor,
+                        found: torch.Tensor, found_len: torch.Tensor, found_first: torch.Tensor,
+                        override: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`~sparsedraft.speculative.lookup_first.LookupFirst`'s choice at each entry: the head's drafts where
+    lookup found nothing or the head's first draft (``head_first``, its top-1 probability ``head_sure``) is another
+    token at >= ``override``, lookup's (``found``: matches, ``found_first``: its first token) elsewhere. Returns
+    the chosen matches, the proposals' lengths (the head's: all of ``head_matches``' columns) and where lookup went."""
+    by_lookup = (found_len > 0) & ~((head_sure >= override) & (head_first != found_first))
+    matches = torch.where(by_lookup[:, None], found, head_matches)
+    lengths = torch.where(by_lookup, found_len, torch.full_like(found_len, head_matches.shape[1]))
+    return matches, lengths, by_lookup
+
+
 @torch.no_grad()
 def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tensor | None = None,
                         gammas: Sequence[int] = GAMMAS) -> dict[str, Any]:
     """(b) ``first_draft`` and (c) per gamma ``accepted_per_round`` / ``tokens_per_round`` (accepted + the
-    target's own token), for the full head (and ``*_vocab`` for the restricted head over ``ids``)."""
+    target's own token), for the full head (and ``*_vocab`` for the restricted head over ``ids``); the same two
+    for prompt lookup alone (``lookup``) and for lookup first with the head (``lookup_first``)."""
     require(len(gammas) >= 1 and min(gammas) >= 1, f"gammas must be >= 1, got {list(gammas)}")
     device, top = head.device, max(gammas)
     heads = {"": TokenHead(head, None)}
@@ -186,6 +229,10 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
     chains = []  # the full head's matches of every round start, for chain_conditionals
     rounds: dict[str, dict[int, list[int]]] = {k: {g: [] for g in gammas} for k in heads}
     stops = {k: {at: {g: [] for g in gammas} for at in STOP_AT} for k in heads}  # (drafted, accepted) per round
+    # Prompt lookup alone, and LookupFirst with each head at each override: first-draft hits, then rounds
+    lookup: dict[str, Any] = {"first": [], "rounds": {g: [] for g in gammas}}
+    mixed = {k: {c: {"first": [], "rounds": {g: [] for g in gammas}, "by_lookup": []} for c in LOOKUP_OVERRIDES}
+             for k in heads}
     length = data.prompt_len
     for row in range(data.tokens.shape[0]):
         tokens = data.tokens[row:row + 1].to(device)
@@ -194,9 +241,16 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         outs, _ = unroll(head, data.features[row:row + 1].to(device).float(), tokens, starts, top - 1)
         true = head.top(data.features[row:row + 1, length:t - 1]).to(device).float()  # the target's before them
         confidence.append(heads[""].logits(true).float().softmax(-1).amax(-1).flatten())
+        entries = torch.arange(length - 1, t - 2)  # every first draft's entry; the chain starts lead them
+        found, found_len, found_first = lookup_matches(tokens[0].cpu(), entries, top)
+        lookup["first"].append(found[:, 0].float())
+        at_starts = (found[:starts.numel()], found_len[:starts.numel()], found_first[:starts.numel()])
+        for g in gammas:
+            lookup["rounds"][g] += stopped_rounds(at_starts[0], g, lengths=at_starts[1])
         for name, tok in heads.items():
-            drafts = tok.predict(outs[0][:, length - 1:t - 2])  # entry e predicts token e + 2
-            first[name].append((drafts == tokens[:, length + 1:]).float().flatten())
+            drafts, drafts_sure = tok.predict_sure(outs[0][:, length - 1:t - 2])  # entry e predicts token e + 2
+            hits = drafts == tokens[:, length + 1:]
+            first[name].append(hits.float().flatten())
             steps = [outs[0][:, starts]] + outs[1:]  # draft j of the round starting at each chain start
             drafted = [tok.predict_sure(steps[j]) for j in range(top)]  # (ids, top-1 probability) per draft j
             chain = torch.stack([ids[0] == tokens[0, starts + j + 2] for j, (ids, _) in enumerate(drafted)], dim=1)
@@ -205,6 +259,15 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
                 rounds[name][g] += accepted_per_round(chain, g)
                 for at in STOP_AT:
                     stops[name][at][g] += stopped_rounds(chain, g, surest >= at)
+            for c, seen in mixed[name].items():
+                chosen, _, _ = lookup_first_choice(hits.cpu().T, drafts[0].cpu(), drafts_sure[0].cpu(), found[:, :1],
+                                                   found_len, found_first, c)
+                seen["first"].append(chosen[:, 0].float())
+                chosen, lengths, by_lookup = lookup_first_choice(chain.cpu(), drafted[0][0][0].cpu(),
+                                                                 drafted[0][1][0].cpu(), *at_starts, c)
+                for g in gammas:
+                    seen["rounds"][g] += stopped_rounds(chosen, g, lengths=lengths)
+                seen["by_lookup"].append(by_lookup.float())
             if not name:
                 chains.append(chain)
     report: dict[str, Any] = {"positions": int(sum(x.numel() for x in first[""])), "prompt_len": length,
@@ -212,14 +275,27 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
     report["target_top1_mean"] = float(torch.cat(confidence).mean())
     report["by_target_confidence"] = by_confidence(torch.cat(first[""]), torch.cat(confidence))
     report["chain"] = chain_conditionals(torch.cat(chains))
+    report["lookup"] = {"first_draft": float(torch.cat(lookup["first"]).mean()),
+                        "gamma": {g: drafted_and_kept(r) for g, r in lookup["rounds"].items()}}
+    for name in heads:
+        report[f"lookup_first{name}"] = {
+            c: {"first_draft": float(torch.cat(seen["first"]).mean()),
+                "lookup_starts": float(torch.cat(seen["by_lookup"]).mean()),
+                "gamma": {g: drafted_and_kept(r) for g, r in seen["rounds"].items()}}
+            for c, seen in mixed[name].items()}
     for name in heads:
         report[f"first_draft{name}"] = float(torch.cat(first[name]).mean())
         report[f"gamma{name}"] = {g: {"accepted_per_round": sum(r) / len(r), "tokens_per_round": 1 + sum(r) / len(r),
                                       "rounds": len(r)} for g, r in rounds[name].items()}
-        report[f"stop{name}"] = {at: {g: {"drafted_per_round": sum(d for d, _ in r) / len(r),
-                                          "accepted_per_round": sum(a for _, a in r) / len(r), "rounds": len(r)}
-                                      for g, r in by_gamma.items()} for at, by_gamma in stops[name].items()}
+        report[f"stop{name}"] = {at: {g: drafted_and_kept(r) for g, r in by_gamma.items()}
+                                 for at, by_gamma in stops[name].items()}
     return report
+
+
+def drafted_and_kept(rounds: list[tuple[int, int]]) -> dict[str, float]:
+    """Drafted and accepted drafts per round of (drafted, accepted) ``rounds``, and how many rounds."""
+    return {"drafted_per_round": sum(d for d, _ in rounds) / len(rounds),
+            "accepted_per_round": sum(a for _, a in rounds) / len(rounds), "rounds": len(rounds)}
 
 
 def by_confidence(hits: torch.Tensor, confidence: torch.Tensor,

@@ -7,7 +7,7 @@
   (:mod:`.batching`, :mod:`.lockstep`);
 - verification (:mod:`.verify`, an injectable acceptance rule), drafters
   (:mod:`.drafters`, :mod:`.hierarchy`, :mod:`.truncate`, :mod:`.budget`,
-  :mod:`.feature` / :mod:`.feature_drafter`, :mod:`.vocab`), the drivers that
+  :mod:`.feature` / :mod:`.feature_drafter`, :mod:`.vocab`, :mod:`.lookup_first`), the drivers that
   chain them (:mod:`.drivers`: speculative, retrieval, triforce) and their
   stats (:mod:`.stats`);
 - trained drafters, whatever their kind, are read by :mod:`.loading`
@@ -21,6 +21,7 @@ from .drivers import (SpecResult, check_run, prefill_target, retrieval, retrieva
 from .feature import FeatureHead, load_feature_head
 from .feature_drafter import FeatureDrafter
 from .hierarchy import RetrievalDrafter, SpeculativeDrafter
+from .lookup_first import LookupFirst
 from .loading import drafter_kind, load_trained
 from .methods import METHODS, load_draft, method_options
 from .stats import (DRAFT, REBUILD, RETRIEVAL_LEVEL, SYNC, TARGET, VERIFY, LevelStats, SpecStats, Stopwatch,
@@ -29,7 +30,7 @@ from .truncate import truncated_draft
 from .verify import AcceptanceRule, Verdict, standard_acceptance, verify, verify_greedy, verify_sampled
 
 __all__ = ["AcceptanceRule", "DRAFT", "DecodeResult", "DraftContext", "Drafter", "FeatureDrafter", "FeatureHead",
-           "LevelStats", "METHODS", "ModelDrafter", "NgramDrafter", "Proposal", "REBUILD", "RETRIEVAL_LEVEL",
+           "LevelStats", "LookupFirst", "METHODS", "ModelDrafter", "NgramDrafter", "Proposal", "REBUILD", "RETRIEVAL_LEVEL",
            "RetrievalDrafter", "SYNC", "SpecResult", "SpecStats", "SpeculativeDrafter", "Stopwatch", "TARGET",
            "TargetState", "VERIFY", "Verdict", "check_run", "decode", "drafter_kind", "load_draft",
            "load_feature_head", "load_trained", "method_options", "prefill_target", "region", "retrieval",

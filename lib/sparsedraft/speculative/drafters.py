@@ -46,6 +46,9 @@ from .stats import LevelStats, Stopwatch
 class Proposal:
     tokens: torch.Tensor  # [g] drafted ids, g <= the requested length
     q: torch.Tensor  # [g, V] float32: the distribution each token was drawn from
+    # [g] float32: each draft's top-1 probability under the drafter's own model at temperature 1 (``top1``),
+    # whatever the run samples with; None for a proposer without a model (prompt lookup)
+    top1: torch.Tensor | None = None
 
 
 @dataclass
@@ -77,11 +80,16 @@ class DraftContext:
     watch: Stopwatch
 
 
+def top1(logits: torch.Tensor) -> float:
+    """The top-1 probability of ``logits`` [V] at temperature 1 (of [n, V]: the least sure row's)."""
+    return float(logits.float().softmax(-1).amax(-1).min())
+
+
 def sure(logits: torch.Tensor, confidence: float) -> bool:
-    """Whether a draft step may be followed by another: its top-1 probability (softmax of its ``logits`` [V] at
-    temperature 1, whatever the run samples with) reaches ``confidence``; always when ``confidence`` is 0.
-    Logits [n, V] of n emitted tokens are sure when every row is."""
-    return confidence <= 0 or float(logits.float().softmax(-1).amax(-1).min()) >= confidence
+    """Whether a draft step may be followed by another: its top-1 probability (:func:`top1`, whatever the run
+    samples with) reaches ``confidence``; always when ``confidence`` is 0. Logits [n, V] of n emitted tokens are
+    sure when every row is."""
+    return confidence <= 0 or top1(logits) >= confidence
 
 
 def check_confidence(confidence: float) -> None:
@@ -131,6 +139,14 @@ class Drafter(ABC):
         self.rewind(self.proposed - accepted)
         self.push(token)
         self.proposed = 0
+
+    def follow(self, tokens: list[int]) -> None:
+        """Append ``tokens`` that another proposer drafted, tentatively, as if this drafter had proposed them
+        (its next :meth:`commit` settles them): how a drafter keeps up with a round it did not draft
+        (:class:`~.lookup_first.LookupFirst`)."""
+        for token in tokens:
+            self.push(token)
+        self.proposed = len(tokens)
 
     def observe(self, target: TargetState | None) -> None:
         """Take what a verifier computed anyway (its features) after a ``rewind``, before the ``push``; only a
@@ -198,7 +214,7 @@ class ModelDrafter(Drafter):
         return logits[0]
 
     def propose(self, gamma: int) -> Proposal:
-        tokens, qs = [], []
+        tokens, qs, tops = [], [], []
         feed = self.pending
         for _ in range(gamma):
             logits = self._forward(feed, True)[-1]
@@ -206,12 +222,13 @@ class ModelDrafter(Drafter):
             feed = [draw(q, self.ctx)]
             tokens += feed
             qs.append(q)
-            if not sure(logits, self.confidence):
+            tops.append(top1(logits))
+            if tops[-1] < self.confidence:  # sure(logits, confidence), from the probability just taken
                 break
         if tokens:
             self.pending = feed
         self.proposed = len(tokens)
-        return proposal_of(tokens, qs, self.vocab_size, self.model.device)
+        return proposal_of(tokens, qs, self.vocab_size, self.model.device, tops)
 
     def score(self, tokens: list[int]) -> torch.Tensor:
         """Cache the pending tokens and ``tokens``; logits [len(tokens) + 1, V]: this model's next-token
@@ -255,21 +272,11 @@ class NgramDrafter(Drafter):
         self.history, self.proposed = prompt.detach().clone(), 0
 
     def propose(self, gamma: int) -> Proposal:
-        tokens = self._lookup(gamma) if gamma else self.history[:0]
+        tokens = ngram_lookup(self.history, gamma, self.max_ngram, self.min_ngram) if gamma else self.history[:0]
         self.history = torch.cat((self.history, tokens))
         self.proposed = tokens.numel()
         q = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
         return Proposal(tokens, q)
-
-    def _lookup(self, gamma: int) -> torch.Tensor:
-        h = self.history
-        for n in range(min(self.max_ngram, h.numel() - 1), self.min_ngram - 1, -1):
-            earlier = h[:-1].unfold(0, n, 1)  # every n-gram that has a successor, [L - n, n]
-            hits = (earlier == h[-n:]).all(1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                return h[start:start + gamma]
-        return h[:0]
 
     def rewind(self, n: int) -> None:
         require(0 <= n <= self.history.numel(), f"cannot rewind {n} tokens")
@@ -278,9 +285,28 @@ class NgramDrafter(Drafter):
     def push(self, token: int) -> None:
         self.history = torch.cat((self.history, self.history.new_tensor([token])))
 
+    def follow(self, tokens: list[int]) -> None:
+        self.history = torch.cat((self.history, self.history.new_tensor(tokens)))
+        self.proposed = len(tokens)
 
-def proposal_of(tokens: list[int], qs: list[torch.Tensor], vocab: int, device: torch.device) -> Proposal:
-    """A Proposal from token ids and their distributions (rows of [V] or [n, V] blocks, in order)."""
+
+def ngram_lookup(history: torch.Tensor, gamma: int, max_ngram: int = 3, min_ngram: int = 1) -> torch.Tensor:
+    """Prompt lookup over ``history`` [L]: up to ``gamma`` tokens that followed the newest earlier occurrence of its
+    last n tokens, n from ``max_ngram`` down to ``min_ngram``; empty when none occurs."""
+    h = history
+    for n in range(min(max_ngram, h.numel() - 1), min_ngram - 1, -1):
+        earlier = h[:-1].unfold(0, n, 1)  # every n-gram that has a successor, [L - n, n]
+        hits = (earlier == h[-n:]).all(1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return h[start:start + gamma]
+    return h[:0]
+
+
+def proposal_of(tokens: list[int], qs: list[torch.Tensor], vocab: int, device: torch.device,
+                tops: list[float] | None = None) -> Proposal:
+    """A Proposal from token ids, their distributions (rows of [V] or [n, V] blocks, in order) and, from a
+    drafter with a model, each token's top-1 probability (:func:`top1`)."""
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     q = torch.cat([x.reshape(-1, vocab) for x in qs]) if qs else torch.zeros(0, vocab, device=device)
-    return Proposal(ids, q)
+    return Proposal(ids, q, None if tops is None else torch.tensor(tops, dtype=torch.float32))

@@ -200,6 +200,14 @@ def retrieval(target: Transformer, prompt: torch.Tensor, max_new_tokens: int,
                        acceptance=acceptance, eos_token_id=eos_token_id, prefilled=prefilled)
 
 
+def streaming_drafter(model: Transformer, rollback: int, sink: int, window: int,
+                      positions: str = "cache") -> ModelDrafter:
+    """``model`` over a StreamingLLM cache of ``sink`` + ``window`` slots that can take back ``rollback`` tokens:
+    TriForce's level 1 (a level-3 rejection undoes a whole level-2 proposal plus the round in flight)."""
+    return ModelDrafter(model, StreamingCache(model.cfg, sink, window, spec_slots=rollback, dtype=model.dtype,
+                                              device=model.device, rotary=model.rotary, positions=positions))
+
+
 def triforce_drafter(target: Transformer, draft_model: Transformer | Drafter, gamma1: int, gamma2: int, budget: int,
                      chunk_size: int, sink: int, window: int, group_reduce: str = "sum",
                      draft_positions: str = "cache", acceptance: AcceptanceRule = standard_acceptance,
@@ -214,12 +222,8 @@ def triforce_drafter(target: Transformer, draft_model: Transformer | Drafter, ga
     its retrieval cache as ``draft_kv``.
     """
     require(gamma1 >= 1 and gamma2 >= 1, f"gamma1 and gamma2 must be >= 1, got gamma1={gamma1}, gamma2={gamma2}")
-    if isinstance(draft_model, Drafter):
-        level1 = draft_model
-    else:
-        level1 = ModelDrafter(draft_model, StreamingCache(
-            draft_model.cfg, sink, window, spec_slots=gamma1 + gamma2, dtype=draft_model.dtype,
-            device=draft_model.device, rotary=draft_model.rotary, positions=draft_positions))
+    level1 = draft_model if isinstance(draft_model, Drafter) else \
+        streaming_drafter(draft_model, gamma1 + gamma2, sink, window, draft_positions)
     level2 = retrieval_drafter(target, gamma2, budget, chunk_size, group_reduce, draft_weights, draft_kv)
     return SpeculativeDrafter(level2, level1, gamma1, acceptance, RETRIEVAL_LEVEL)
 

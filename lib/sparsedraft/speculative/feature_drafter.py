@@ -32,7 +32,7 @@ from ..engine.prefill import prefill
 from ..engine.sampling import probabilities
 from ..errors import require
 from .budget import budget_prefill
-from .drafters import DraftContext, Drafter, Proposal, TargetState, draw, proposal_of, sure
+from .drafters import DraftContext, Drafter, Proposal, TargetState, draw, proposal_of, top1
 from .feature import Entries, FeatureHead
 
 FEATURE_CACHES = ("full", "streaming", "budget")
@@ -109,7 +109,7 @@ class FeatureDrafter(Drafter):
             self.feats = torch.cat((self.feats, extra))
 
     def propose(self, gamma: int) -> Proposal:
-        tokens, qs = [], []
+        tokens, qs, tops = [], [], []
         for _ in range(gamma):
             n = len(self.tokens)
             require(self.known >= n - 1, "the feature drafter lacks the feature of a committed token; its verifier "
@@ -129,10 +129,11 @@ class FeatureDrafter(Drafter):
             self.tokens.append(token)
             tokens.append(token)
             qs.append(q)
-            if not sure(logits, self.confidence):
+            tops.append(top1(logits))
+            if tops[-1] < self.confidence:  # sure(logits, confidence), from the probability just taken
                 break
         self.proposed = len(tokens)
-        return proposal_of(tokens, qs, self.vocab_size, self.head.device)
+        return proposal_of(tokens, qs, self.vocab_size, self.head.device, tops)
 
     def observe(self, target: TargetState | None) -> None:
         """Write the verifier's true features over this drafter's (positions ``features_start`` on) and forget
@@ -155,6 +156,11 @@ class FeatureDrafter(Drafter):
                 f"{self.head.feature_width} (the outputs of target layers {list(self.feature_layers)} and the top "
                 "one); the driver captures them as the drafter's feature_layers say: prefill with "
                 f"prefill_prompt(..., feature_layers={self.feature_layers}) when passing prefilled=")
+
+    def follow(self, tokens: list[int]) -> None:
+        """Another proposer's tokens, tentatively: their features come with the verification (:meth:`observe`)."""
+        self.tokens.extend(tokens)
+        self.proposed = len(tokens)
 
     def commit(self, accepted: int, token: int, target: TargetState | None = None) -> None:
         self.rewind(self.proposed - accepted)

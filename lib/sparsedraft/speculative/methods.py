@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..caches import StreamingCache, rebuild_policy
+from ..caches import rebuild_policy
 from ..caches.budget import SCORINGS
 from ..caches.kv_quant import DRAFT_KV, check_draft_kv
 from ..caches.retrieval import GROUP_REDUCTIONS
@@ -34,9 +34,10 @@ from ..engine.sampling import SamplingConfig
 from ..errors import SparsedraftError, require
 from .budget import BudgetDrafter
 from .drafters import Drafter, ModelDrafter, NgramDrafter, check_confidence
-from .drivers import SpecResult, retrieval, speculative, triforce
+from .drivers import SpecResult, retrieval, speculative, streaming_drafter, triforce
 from .feature import FeatureHead
 from .feature_drafter import FeatureDrafter
+from .lookup_first import LookupFirst, check_override
 from .loading import SLICE, check_trained_for, drafter_kind, load_trained, read_state, trained_scoring
 from .truncate import truncated_draft
 from .vocab import frequent_tokens_of, restrict_head
@@ -114,6 +115,14 @@ def _check_draft_confidence(draft: Any, confidence: float) -> None:
             "its .confidence)")
 
 
+def _check_draft_lookup(draft: Any, lookup: float) -> None:
+    require(lookup == 0 or draft != "ngram",
+            f"draft_lookup {lookup} weighs a draft model against prompt lookup; this draft is prompt lookup itself "
+            "(ngram): pass a draft model or drop draft_lookup")
+    if lookup:
+        check_override(lookup)
+
+
 def _check_draft_vocab_size(draft_vocab: int, cfg: ModelConfig) -> None:
     require(draft_vocab < cfg.vocab_size, f"draft_vocab ({draft_vocab}) must be smaller than the model's vocabulary "
                                           f"({cfg.vocab_size}); 0 keeps the full head")
@@ -137,6 +146,11 @@ DRAFT_CONFIDENCE_HELP = ("end a proposal to the full target after a token its pr
                          "this (its own top-1 probability: the draft model's; in retrieval and triforce the target's "
                          "over its retrieval cache), saving verification rows the target would likely reject; still "
                          "lossless; 0: always gamma (gamma2) tokens")
+
+DRAFT_LOOKUP_HELP = ("prompt lookup first: each round proposes what followed the last tokens' newest earlier "
+                     "occurrence in the context, unless the draft model is at least this sure (its own top-1 "
+                     "probability) of another first token, or there is none; then the draft model's tokens. "
+                     "Still lossless; 0: the draft model alone")
 
 DRAFT_VOCAB_HELP = ("score only the N tokens most frequent in the essays' train split in the draft's head (q = 0 "
                     "elsewhere: still lossless, a cheaper draft step); 0: the full head")
@@ -193,11 +207,13 @@ class SpecOptions(StreamingDraftOptions):
     chunk_scoring: str = field(default="", metadata={"help": CHUNK_SCORING_HELP, "choices": CHUNK_SCORINGS})
     draft_weights: str = field(default="same", metadata={"help": DRAFT_WEIGHTS_HELP, "choices": DRAFT_WEIGHTS})
     draft_confidence: float = field(default=0.0, metadata={"help": DRAFT_CONFIDENCE_HELP})
+    draft_lookup: float = field(default=0.0, metadata={"help": DRAFT_LOOKUP_HELP})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_draft(self.draft)
         _check_draft_confidence(self.draft, self.draft_confidence)
+        _check_draft_lookup(self.draft, self.draft_lookup)
         check_draft_weights(self.draft_weights)
         require(self.draft_weights == "same" or self.draft == SELF,
                 f"draft_weights {self.draft_weights!r} quantises the target drafting for itself; this draft is "
@@ -241,11 +257,13 @@ class BudgetDraftOptions:
     draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
     chunk_scoring: str = field(default="", metadata={"help": CHUNK_SCORING_HELP, "choices": CHUNK_SCORINGS})
     draft_confidence: float = field(default=0.0, metadata={"help": DRAFT_CONFIDENCE_HELP})
+    draft_lookup: float = field(default=0.0, metadata={"help": DRAFT_LOOKUP_HELP})
 
     def __post_init__(self) -> None:
         _check_draft(self.draft)
         require(self.draft != "ngram", "budgetdraft needs a draft model, not prompt lookup (ngram)")
         _check_draft_confidence(self.draft, self.draft_confidence)
+        _check_draft_lookup(self.draft, self.draft_lookup)
         _check_draft_vocab(self.draft, self.draft_vocab)
         _check_chunk_scoring(self.chunk_scoring)
         require(self.gamma >= 1, f"gamma must be >= 1, got {self.gamma}")
@@ -308,11 +326,13 @@ class TriforceOptions(RetrievalCacheOptions, StreamingDraftOptions):
     gamma1: int = field(default=4, metadata={"help": "level-1 draft tokens per level-2 verification"})
     gamma2: int = field(default=8, metadata={"help": "level-2 tokens per full-target verification"})
     draft_vocab: int = field(default=0, metadata={"help": DRAFT_VOCAB_HELP})
+    draft_lookup: float = field(default=0.0, metadata={"help": "level 1: " + DRAFT_LOOKUP_HELP})
 
     def __post_init__(self) -> None:
         RetrievalCacheOptions.__post_init__(self)
         StreamingDraftOptions.__post_init__(self)
         _check_draft(self.draft)
+        _check_draft_lookup(self.draft, self.draft_lookup)
         _check_draft_vocab(self.draft, self.draft_vocab)
         require(self.gamma1 >= 1 and self.gamma2 >= 1,
                 f"gamma1 and gamma2 must be >= 1, got gamma1={self.gamma1}, gamma2={self.gamma2}")
@@ -364,13 +384,16 @@ def _load_draft(draft: str | Transformer | Drafter | FeatureHead,
 def _level1(draft: Transformer | Drafter | FeatureHead | None, target: Transformer,
             opts: TriforceOptions) -> Transformer | Drafter:
     """TriForce's level 1 as its driver takes it: prompt lookup for ``None``, a feature head over a streaming cache
-    of its own (it rolls back up to gamma1 + gamma2 entries, as a draft model's streaming cache does)."""
+    of its own (it rolls back up to gamma1 + gamma2 entries, as a draft model's streaming cache does), either
+    behind prompt lookup with ``draft_lookup``."""
     if draft is None:
         return NgramDrafter(target.cfg.vocab_size)
     if isinstance(draft, FeatureHead):
-        return FeatureDrafter.create(draft, "streaming", 0, gamma=opts.gamma1 + opts.gamma2, sink=opts.sink,
-                                     window=opts.window, positions=opts.draft_positions)
-    return draft
+        draft = FeatureDrafter.create(draft, "streaming", 0, gamma=opts.gamma1 + opts.gamma2, sink=opts.sink,
+                                      window=opts.window, positions=opts.draft_positions)
+    elif isinstance(draft, Transformer) and opts.draft_lookup:  # built here so that lookup can wrap it
+        draft = streaming_drafter(draft, opts.gamma1 + opts.gamma2, opts.sink, opts.window, opts.draft_positions)
+    return LookupFirst(draft, opts.draft_lookup) if opts.draft_lookup else draft
 
 
 Outcome = GenerationResult | SpecResult
@@ -398,13 +421,13 @@ def run_spec(target: Transformer, prompt: torch.Tensor, n: int, sampling: Sampli
         drafter = BudgetDrafter.create(draft, opts.budget, prompt.shape[1] + n, opts.chunk_size,
                                        scoring=_chunk_scoring(opts.draft, opts.chunk_scoring))
     elif opts.draft_cache == "streaming":
-        drafter = ModelDrafter(draft, StreamingCache(draft.cfg, opts.sink, opts.window, opts.gamma, dtype=draft.dtype,
-                                                     device=draft.device, rotary=draft.rotary,
-                                                     positions=opts.draft_positions))
+        drafter = streaming_drafter(draft, opts.gamma, opts.sink, opts.window, opts.draft_positions)
     else:
         drafter = ModelDrafter(draft, draft.new_cache(prompt.shape[1] + n))
     if opts.draft_confidence:  # checked: not a Drafter the caller made
         drafter.confidence = opts.draft_confidence
+    if opts.draft_lookup:
+        drafter = LookupFirst(drafter, opts.draft_lookup)
     return speculative(target, drafter, prompt, n, opts.gamma, sampling, eos_token_id=eos, prefilled=prefilled)
 
 
@@ -413,7 +436,8 @@ def run_budgetdraft(target: Transformer, prompt: torch.Tensor, n: int, sampling:
     return run_spec(target, prompt, n, sampling,
                     SpecOptions(draft=opts.draft, draft_cache="budget", gamma=opts.gamma, budget=opts.budget,
                                 chunk_size=opts.chunk_size, chunk_scoring=opts.chunk_scoring,
-                                draft_vocab=opts.draft_vocab, draft_confidence=opts.draft_confidence), eos, prefilled)
+                                draft_vocab=opts.draft_vocab, draft_confidence=opts.draft_confidence,
+                                draft_lookup=opts.draft_lookup), eos, prefilled)
 
 
 def run_retrieval(target: Transformer, prompt: torch.Tensor, n: int, sampling: SamplingConfig,
