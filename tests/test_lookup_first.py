@@ -51,20 +51,23 @@ def both_drafted(drafter: LookupFirst) -> None:
     assert drafter.lookup_rounds > 0 and drafter.model_rounds > 0, (drafter.lookup_rounds, drafter.model_rounds)
 
 
+@pytest.mark.parametrize("override", [0.5, 1.0])
 @pytest.mark.parametrize("cache", ["full", "streaming", "budget"])
-def test_greedy_output_with_lookup_first_and_a_feature_head_equals_plain_decoding(loop, cache):
+def test_greedy_output_with_lookup_first_and_a_feature_head_equals_plain_decoding(loop, cache, override):
     target, head, prompt, ar = loop
     model = FeatureDrafter.create(head, cache, prompt.shape[1] + NEW, gamma=GAMMA, sink=4, window=8, budget=16,
                                   chunk_size=4)
-    drafter = LookupFirst(model, 0.5)
+    drafter = LookupFirst(model, override)
     out = speculative(target, drafter, prompt, NEW, GAMMA)
     assert torch.equal(out.tokens, ar)
     both_drafted(drafter)
 
 
-def test_greedy_output_with_lookup_first_and_a_model_drafter_equals_plain_decoding(loop):
+@pytest.mark.parametrize("override", [0.5, 1.0])
+def test_greedy_output_with_lookup_first_and_a_model_drafter_equals_plain_decoding(loop, override):
     target, _, prompt, ar = loop
-    drafter = LookupFirst(ModelDrafter(truncated_draft(target, 1), target.new_cache(prompt.shape[1] + NEW)), 0.5)
+    drafter = LookupFirst(ModelDrafter(truncated_draft(target, 1), target.new_cache(prompt.shape[1] + NEW)),
+                          override)
     out = speculative(target, drafter, prompt, NEW, GAMMA)
     assert torch.equal(out.tokens, ar)
     both_drafted(drafter)
@@ -105,10 +108,16 @@ def test_the_model_takes_a_round_only_when_sure_of_another_token_or_lookup_has_n
     """Round by round against the rule: lookup's tokens unless the model's first draft is a different token with a
     top-1 probability >= override; the model's whenever lookup finds nothing."""
     target, head, prompt, _ = loop
-    for override in (0.3, 0.9):
+    for override in (0.3, 0.9, 1.0):
         drafter = LookupFirst(FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=GAMMA), override)
         seen = Counter()
-        propose = drafter.propose
+        propose, model_propose = drafter.propose, drafter.model.propose
+
+        def counted(gamma: int) -> Proposal:
+            seen["asked"] += 1
+            return model_propose(gamma)
+
+        drafter.model.propose = counted
 
         def checked(gamma: int) -> Proposal:
             expect = ngram_lookup(drafter.lookup.history, gamma)
@@ -116,16 +125,21 @@ def test_the_model_takes_a_round_only_when_sure_of_another_token_or_lookup_has_n
             if out.top1 is None:  # lookup's round
                 assert expect.numel() and torch.equal(out.tokens, expect)
                 seen["lookup"] += 1
+                seen["asked in lookup rounds"] += seen.pop("asked", 0)
             else:
                 first = float(out.top1[0])
-                assert not expect.numel() or (first >= override and int(out.tokens[0]) != int(expect[0]))
+                assert not expect.numel() or (first >= override and int(out.tokens[0]) != int(expect[0]) and
+                                              override < 1)
                 seen["model"] += 1
+            seen.pop("asked", None)
             return out
 
         drafter.propose = checked
         speculative(target, drafter, prompt, NEW, GAMMA)
         assert seen["lookup"] == drafter.lookup_rounds and seen["model"] == drafter.model_rounds
         assert seen["lookup"] > 0 and seen["model"] > 0, (override, seen)
+        # below 1 the model is asked in every round lookup has tokens for; at 1 never
+        assert (seen["asked in lookup rounds"] == 0) == (override == 1.0), (override, seen)
 
 
 @pytest.mark.parametrize("options,message", [

@@ -49,6 +49,7 @@ from ..engine.model import Capture, Transformer
 from ..errors import require
 from ..speculative.drafters import ngram_lookup
 from ..speculative.feature import FeatureHead
+from ..speculative.lookup_first import overrides
 from .feature_data import FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, layers_key, save_tensors
 from .feature_loss import TokenHead, unroll
 from .view import BudgetView, kept_prefix
@@ -207,7 +208,7 @@ def lookup_first_choice(head_matches: torch.Tensor, head_first: torch.Tensor, he
     lookup found nothing or the head's first draft (``head_first``, its top-1 probability ``head_sure``) is another
     token at >= ``override``, lookup's (``found``: matches, ``found_first``: its first token) elsewhere. Returns
     the chosen matches, the proposals' lengths (the head's: all of ``head_matches``' columns) and where lookup went."""
-    by_lookup = (found_len > 0) & ~((head_sure >= override) & (head_first != found_first))
+    by_lookup = (found_len > 0) & ~overrides(head_sure, head_first, found_first, override)
     matches = torch.where(by_lookup[:, None], found, head_matches)
     lengths = torch.where(by_lookup, found_len, torch.full_like(found_len, head_matches.shape[1]))
     return matches, lengths, by_lookup

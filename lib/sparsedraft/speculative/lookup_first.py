@@ -16,6 +16,13 @@ text is new the head is the better guess. So each round asks both:
   :func:`~.drafters.top1`), or lookup found nothing, the model drafts the
   round (its chain, with its own confidence stop); otherwise lookup's
   tokens go, and the model's first draft is taken back.
+- At ``override`` 1 the model is not asked in a round lookup has tokens for:
+  it drafts only where lookup finds nothing, and costs nothing elsewhere
+  (a feature head then takes the entries it missed in its next forward).
+  A head step reads its layer, its KV and its LM head from memory, since
+  the verification between two steps evicts them from the caches; where
+  lookup's tokens are kept about as often either way, asking the model
+  every round can cost more than it brings (docs/feature-drafter.md).
 
 The choice reads only the model's logits and the context, never a random
 draw, so under sampling each proposal's q is still the exact law its
@@ -35,6 +42,13 @@ from ..errors import require
 from .drafters import DraftContext, Drafter, ModelDrafter, NgramDrafter, Proposal, TargetState
 from .feature_drafter import FeatureDrafter
 from .stats import LevelStats
+
+
+def overrides(sure, model_token, lookup_token, override: float):
+    """Whether the model takes a round lookup has tokens for: its first draft ``model_token`` is another token than
+    lookup's and its top-1 probability ``sure`` reaches ``override``; never at ``override`` 1, where the model is
+    not even asked (floats or tensors of them)."""
+    return (sure >= override) & (model_token != lookup_token) & (override < 1)
 
 
 def check_override(override: float) -> None:
@@ -79,14 +93,16 @@ class LookupFirst(Drafter):
         found = self.lookup.propose(gamma)
         if not gamma:
             return found
-        first = self.model.propose(1)
-        sure = float(first.top1[0])
-        if found.tokens.numel() and not (sure >= self.override and int(first.q[0].argmax()) != int(found.tokens[0])):
-            self.model.rewind(1)  # lookup's round: the model only follows it
-            self.model.follow(found.tokens.tolist())
+        first = None if found.tokens.numel() and self.override >= 1 else self.model.propose(1)
+        if found.tokens.numel() and (first is None or not overrides(float(first.top1[0]), int(first.q[0].argmax()),
+                                                                    int(found.tokens[0]), self.override)):
+            if first is not None:
+                self.model.rewind(1)
+            self.model.follow(found.tokens.tolist())  # lookup's round: the model only follows it
             self.lookup_rounds += 1
             self.proposed = found.tokens.numel()
             return found
+        sure = float(first.top1[0])
         own = first
         if gamma > 1 and sure >= self.confidence:  # the model's chain goes on unless its own stop ends it
             more = self.model.propose(gamma - 1)

@@ -150,7 +150,8 @@ DRAFT_CONFIDENCE_HELP = ("end a proposal to the full target after a token its pr
 DRAFT_LOOKUP_HELP = ("prompt lookup first: each round proposes what followed the last tokens' newest earlier "
                      "occurrence in the context, unless the draft model is at least this sure (its own top-1 "
                      "probability) of another first token, or there is none; then the draft model's tokens. "
-                     "Still lossless; 0: the draft model alone")
+                     "1: the draft model drafts only where lookup finds nothing, and is not run elsewhere. Still "
+                     "lossless; 0: the draft model alone")
 
 DRAFT_VOCAB_HELP = ("score only the N tokens most frequent in the essays' train split in the draft's head (q = 0 "
                     "elsewhere: still lossless, a cheaper draft step); 0: the full head")
