@@ -444,3 +444,26 @@ def test_every_record_the_docs_cite_is_committed_and_every_page_says_where_its_f
     for name in measured:
         head = (root / "docs" / name).read_text()[:600]
         assert "Where the" in head and "come from" in head, f"docs/{name} does not open with where its figures come from"
+
+
+def test_also_times_variants_of_the_method_in_the_same_process_and_each_gets_a_row(tmp_path, capsys):
+    """``--also`` adds the method again with options changed: one record, the baseline and a row per variant,
+    each rendered with the options it ran with; a misspelt option or a mistyped value is refused before any
+    model loads."""
+    from sparsedraft.__main__ import main
+    path = tmp_path / "race.json"
+    assert main(["bench", "spec", "--model", "tiny-llama", "--context", "120", "--new-tokens", "8", "--warmup", "0",
+                 "--draft", "truncated:1", "--gamma", "3", "--also", "draft=ngram", "--also", "gamma=2,draft-lookup=0.5",
+                 "--record", str(path)]) == 0
+    [(name, record)] = load_records(tmp_path)
+    rows = record["result"]["rows"]
+    assert [r["method"] for r in rows][0] == "ar" and len(rows) == 4
+    assert all(r["tokens_match"] for r in rows[1:])
+    resolved = list(record["result"]["resolved_options"].values())
+    assert [(o["draft"], o["gamma"], o["draft_lookup"]) for o in resolved] == [
+        ("truncated:1", 3, 0.0), ("ngram", 3, 0.0), ("truncated:1", 2, 0.5)]
+    lines = render_table([(name, record)]).splitlines()[2:]
+    assert len(lines) == 3 and lines[1].startswith("| spec (draft ngram,") and "draft_lookup 0.5" in lines[2]
+    for bad, message in (("gama=2", "not OPTION=VALUE"), ("gamma=two", "type int"), ("draft_lookup", "not OPTION")):
+        assert main(["bench", "spec", "--model", "no-such-model", "--also", bad]) == 2
+        assert message in capsys.readouterr().err, bad

@@ -33,7 +33,7 @@ from .bench.timed_command import add_timed_parser, run_timed
 from .bench.tuned import SOURCE, TUNED, tuned_context, tuned_options
 from .budgetdraft.cli import HELP as TRAIN_HELP
 from .budgetdraft.cli import add_train_parser, run_train_drafter
-from .cliopts import add_config_options, config_from_args, values_from_args
+from .cliopts import add_config_options, config_from_args, options_from_pairs, values_from_args
 from .engine import kernels
 from .engine.machine import provenance
 from .errors import SparsedraftError
@@ -57,16 +57,23 @@ def add_bench_parser(parser: argparse.ArgumentParser) -> None:
         if bench.method is not None:
             group = sub.add_argument_group(f"{name} options", TUNED_HELP if name in TUNED else None)
             add_config_options(group, METHODS[bench.method].options, given_only=True)
+            sub.add_argument("--also", action="append", default=[], metavar="OPTION=VALUE[,...]",
+                             help=f"also time {name} with these options changed from the ones above, in the same "
+                                  "process from the same prefill, a row each (e.g. --also draft=ngram,"
+                                  "draft_vocab=0); repeatable")
 
 
 def bench_config(args: argparse.Namespace):
     """The bench's config from parsed flags. A method's options not given on the command line come from its
-    tuned per-context defaults (:mod:`sparsedraft.bench.tuned`) when there are some, else its dataclass."""
+    tuned per-context defaults (:mod:`sparsedraft.bench.tuned`) when there are some, else its dataclass; each
+    ``--also`` adds the method again with some of them changed."""
     bench = BENCHES[args.bench]
     if bench.method is None:
         return config_from_args(bench.config, args)
-    options = {**tuned_options(bench.method, args.context), **values_from_args(METHODS[bench.method].options, args)}
-    return config_from_args(bench.config, args, methods=((bench.method, options),))
+    kind = METHODS[bench.method].options
+    options = {**tuned_options(bench.method, args.context), **values_from_args(kind, args)}
+    variants = [{**options, **options_from_pairs(kind, text)} for text in args.also]
+    return config_from_args(bench.config, args, methods=tuple((bench.method, o) for o in [options, *variants]))
 
 
 def tuned_note(args: argparse.Namespace, config) -> str:

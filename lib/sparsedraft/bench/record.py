@@ -135,9 +135,9 @@ def _acceptance(row: dict[str, Any]) -> str:
 
 # Options a results table shows beside the method's name, when the method has them.
 SHOWN_OPTIONS = ("draft", "draft_cache", "budget", "gamma", "gamma1", "gamma2", "group_reduce", "draft_vocab",
-                 "draft_weights", "draft_kv", "draft_confidence")
+                 "draft_weights", "draft_kv", "draft_confidence", "draft_lookup")
 USUAL = {"group_reduce": "sum", "draft_vocab": 0, "draft_weights": "same", "draft_kv": "same",
-         "draft_confidence": 0.0}  # values not worth a word: defaults
+         "draft_confidence": 0.0, "draft_lookup": 0.0}  # values not worth a word: defaults
 
 
 def _shown(key: str, options: dict[str, Any]) -> bool:
@@ -181,7 +181,8 @@ def _compare_rows(name: str, record: dict[str, Any]) -> list[list[str]]:
         options = _options(row, resolved)
         dtype = c.get("dtype", "fp32")  # the model cell names a dtype other than fp32 (records before it: fp32)
         window = c.get("variant", 0)  # the context cell names the prompt when it is not its split's first window
-        out.append([f"{row['method']} ({options})" if options else row["method"],
+        method = row["method"].split("(")[0]  # a method listed twice is labelled with its options, shown here anyway
+        out.append([f"{method} ({options})" if options else row["method"],
                     c["model"] if dtype == "fp32" else f"{c['model']} {dtype}",
                     f"{result['prompt_len']:,}" + (f" (window {window})" if window else ""),
                     f"{c['new_tokens']} {law}", f"{base['ms_per_token']:.1f}",
