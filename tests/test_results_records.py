@@ -453,7 +453,8 @@ def test_also_times_variants_of_the_method_in_the_same_process_and_each_gets_a_r
     from sparsedraft.__main__ import main
     path = tmp_path / "race.json"
     assert main(["bench", "spec", "--model", "tiny-llama", "--context", "120", "--new-tokens", "8", "--warmup", "0",
-                 "--draft", "truncated:1", "--gamma", "3", "--also", "draft=ngram", "--also", "gamma=2,draft-lookup=0.5",
+                 "--draft", "truncated:1", "--gamma", "3", "--also", "draft=ngram",
+                 "--also", "gamma=2,draft-lookup=0.5",
                  "--record", str(path)]) == 0
     [(name, record)] = load_records(tmp_path)
     rows = record["result"]["rows"]

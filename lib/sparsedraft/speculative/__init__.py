@@ -30,9 +30,9 @@ from .truncate import truncated_draft
 from .verify import AcceptanceRule, Verdict, standard_acceptance, verify, verify_greedy, verify_sampled
 
 __all__ = ["AcceptanceRule", "DRAFT", "DecodeResult", "DraftContext", "Drafter", "FeatureDrafter", "FeatureHead",
-           "LevelStats", "LookupFirst", "METHODS", "ModelDrafter", "NgramDrafter", "Proposal", "REBUILD", "RETRIEVAL_LEVEL",
-           "RetrievalDrafter", "SYNC", "SpecResult", "SpecStats", "SpeculativeDrafter", "Stopwatch", "TARGET",
-           "TargetState", "VERIFY", "Verdict", "check_run", "decode", "drafter_kind", "load_draft",
-           "load_feature_head", "load_trained", "method_options", "prefill_target", "region", "retrieval",
-           "retrieval_drafter", "speculative", "standard_acceptance", "triforce", "triforce_drafter",
+           "LevelStats", "LookupFirst", "METHODS", "ModelDrafter", "NgramDrafter", "Proposal", "REBUILD",
+           "RETRIEVAL_LEVEL", "RetrievalDrafter", "SYNC", "SpecResult", "SpecStats", "SpeculativeDrafter",
+           "Stopwatch", "TARGET", "TargetState", "VERIFY", "Verdict", "check_run", "decode", "drafter_kind",
+           "load_draft", "load_feature_head", "load_trained", "method_options", "prefill_target", "region",
+           "retrieval", "retrieval_drafter", "speculative", "standard_acceptance", "triforce", "triforce_drafter",
            "truncated_draft", "verify", "verify_greedy", "verify_sampled"]

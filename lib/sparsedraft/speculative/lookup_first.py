@@ -4,10 +4,9 @@ Why: SmolLM2-135M's greedy continuations of the held-out essays fall into
 loops within a few dozen tokens (the agreement bench's continuations), and
 in a loop the next tokens are already in the context. Prompt lookup
 (:class:`~.drafters.NgramDrafter`) finds them for free; the one-layer
-feature head, which has to rebuild them from the target's features, does
-not (on those positions lookup's first draft equals the target's token
-about 1.4 times as often: ``bench.agreement``'s ``lookup`` rows). Where the
-text is new the head is the better guess. So each round asks both:
+feature head, which has to rebuild them from the target's features, mostly
+does not (``bench.agreement``'s ``lookup`` rows beside the head's). Where the
+context has nothing to copy, only a model can guess. So each round asks both:
 
 - lookup proposes what followed the newest earlier occurrence of the last
   tokens (up to ``gamma``, one-hot q);
@@ -52,7 +51,7 @@ def overrides(sure, model_token, lookup_token, override: float):
 
 
 def check_override(override: float) -> None:
-    """``override`` is a probability in (0, 1]: 1 lets the model take a round from lookup only when certain."""
+    """``override`` is a probability in (0, 1]; at 1 the model drafts only the rounds lookup has no tokens for."""
     require(0.0 < override <= 1.0, f"draft_lookup is the draft's top-1 probability above which it overrides prompt "
                                    f"lookup, in (0, 1] (0 turns lookup off in decode()), got {override}")
 
