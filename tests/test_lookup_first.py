@@ -25,6 +25,7 @@ from sparsedraft.engine.prefill_store import prefill_prompt
 from sparsedraft.engine.sampling import SamplingConfig
 from sparsedraft.engine.tiny import tiny_model
 from sparsedraft.speculative import LookupFirst, NgramDrafter, speculative, triforce
+from sparsedraft.speculative.lookup_first import TRUSTED_MATCH
 from sparsedraft.speculative.drafters import ModelDrafter, Proposal, ngram_lookup
 from sparsedraft.speculative.feature_drafter import FeatureDrafter
 from sparsedraft.speculative.truncate import truncated_draft
@@ -105,41 +106,39 @@ def test_a_batch_with_lookup_first_gives_each_row_its_plain_output(loop):
 
 
 def test_the_model_takes_a_round_only_when_sure_of_another_token_or_lookup_has_none(loop):
-    """Round by round against the rule: lookup's tokens unless the model's first draft is a different token with a
-    top-1 probability >= override; the model's whenever lookup finds nothing."""
+    """Round by round against the rule: the model is asked (drafts its first token) where lookup found nothing, or
+    below override 1 where lookup's match is shorter than TRUSTED_MATCH tokens; asked, it takes the round when its
+    first draft is another token with a top-1 probability >= override; otherwise lookup's tokens go."""
     target, head, prompt, _ = loop
     for override in (0.3, 0.9, 1.0):
         drafter = LookupFirst(FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=GAMMA), override)
         seen = Counter()
         propose, model_propose = drafter.propose, drafter.model.propose
+        asked = []
 
         def counted(gamma: int) -> Proposal:
-            seen["asked"] += 1
+            asked.append(gamma)
             return model_propose(gamma)
 
-        drafter.model.propose = counted
-
         def checked(gamma: int) -> Proposal:
-            expect = ngram_lookup(drafter.lookup.history, gamma)
+            expect, matched = ngram_lookup(drafter.lookup.history, gamma)
+            asked.clear()
             out = propose(gamma)
+            assert bool(asked) == (matched == 0 or (override < 1 and matched < TRUSTED_MATCH)), (override, matched)
             if out.top1 is None:  # lookup's round
                 assert expect.numel() and torch.equal(out.tokens, expect)
                 seen["lookup"] += 1
-                seen["asked in lookup rounds"] += seen.pop("asked", 0)
             else:
                 first = float(out.top1[0])
-                assert not expect.numel() or (first >= override and int(out.tokens[0]) != int(expect[0]) and
-                                              override < 1)
+                assert not expect.numel() or (first >= override and int(out.tokens[0]) != int(expect[0]))
                 seen["model"] += 1
-            seen.pop("asked", None)
+            seen["trusted" if matched >= TRUSTED_MATCH else f"matched {matched}"] += 1
             return out
 
-        drafter.propose = checked
+        drafter.model.propose, drafter.propose = counted, checked
         speculative(target, drafter, prompt, NEW, GAMMA)
         assert seen["lookup"] == drafter.lookup_rounds and seen["model"] == drafter.model_rounds
-        assert seen["lookup"] > 0 and seen["model"] > 0, (override, seen)
-        # below 1 the model is asked in every round lookup has tokens for; at 1 never
-        assert (seen["asked in lookup rounds"] == 0) == (override == 1.0), (override, seen)
+        assert seen["lookup"] > 0 and seen["model"] > 0 and seen["trusted"] > 0, (override, seen)
 
 
 @pytest.mark.parametrize("options,message", [
@@ -226,10 +225,12 @@ def test_stopped_rounds_draft_no_more_than_a_short_or_empty_proposal():
 def test_lookup_matches_score_what_prompt_lookup_proposes_at_each_entry():
     from sparsedraft.budgetdraft.feature_eval import lookup_matches
     tokens = torch.tensor([5, 6, 7, 5, 6, 9, 8])
-    matches, lengths, first = lookup_matches(tokens, torch.arange(0, 5), 2)
+    found = lookup_matches(tokens, torch.arange(0, 5), 2)
+    matches, lengths, first = found.matches, found.lengths, found.first
     # entry 2: text 5 6 7 5, "5" occurred at 0, so lookup offers 6 7 against 6 9; entry 3: text 5 6 7 5 6, "5 6"
     # occurred at 0, so it offers 7 5 against 9 8; entry 4 ends in 9, which never occurred before
     assert lengths.tolist() == [0, 0, 2, 2, 0] and first.tolist() == [-1, -1, 6, 7, -1]
+    assert found.matched.tolist() == [0, 0, 1, 2, 0]
     assert matches.tolist() == [[False, False], [False, False], [True, False], [False, False], [False, False]]
 
 

@@ -49,7 +49,7 @@ from ..engine.model import Capture, Transformer
 from ..errors import require
 from ..speculative.drafters import ngram_lookup
 from ..speculative.feature import FeatureHead
-from ..speculative.lookup_first import overrides
+from ..speculative.lookup_first import asks_model, overrides
 from .feature_data import FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, layers_key, save_tensors
 from .feature_loss import TokenHead, unroll
 from .view import BudgetView, kept_prefix
@@ -182,35 +182,45 @@ def chain_conditionals(matches: torch.Tensor) -> list[dict[str, Any]]:
             for j, (n, k) in enumerate(zip(reached, kept))]
 
 
-def lookup_matches(tokens: torch.Tensor, entries: torch.Tensor,
-                   gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass
+class Lookups:
+    """Prompt lookup's proposal at each of a continuation's entries (:func:`lookup_matches`)."""
+
+    matches: torch.Tensor  # [entries, gamma] bool: draft j equals the target's token (False past the proposal)
+    lengths: torch.Tensor  # [entries] the proposal's length (0: nothing found)
+    first: torch.Tensor  # [entries] its first token (-1 where it found none)
+    matched: torch.Tensor  # [entries] tokens of the match it came from (0: none)
+
+    def __getitem__(self, rows: slice) -> "Lookups":
+        return Lookups(self.matches[rows], self.lengths[rows], self.first[rows], self.matched[rows])
+
+
+def lookup_matches(tokens: torch.Tensor, entries: torch.Tensor, gamma: int) -> Lookups:
     """Prompt lookup at each of ``entries`` of one continuation ``tokens`` [T] (entry e: the committed text is
-    ``tokens[:e + 2]``, as for the head's draft from entry e): [entries, gamma] bool, its draft j equals the
-    target's token e + 2 + j (False past the proposal or the text); [entries] the proposal's length; [entries]
-    its first token (-1 where it found none)."""
+    ``tokens[:e + 2]``, as for the head's draft from entry e), as :class:`Lookups`."""
     matches = torch.zeros(entries.numel(), gamma, dtype=torch.bool)
-    lengths = torch.zeros(entries.numel(), dtype=torch.long)
+    lengths, matched = torch.zeros(entries.numel(), dtype=torch.long), torch.zeros(entries.numel(), dtype=torch.long)
     first = torch.full((entries.numel(),), -1, dtype=torch.long)
     for i, e in enumerate(entries.tolist()):
-        found = ngram_lookup(tokens[:e + 2], gamma)
+        found, matched[i] = ngram_lookup(tokens[:e + 2], gamma)
         truth = tokens[e + 2:e + 2 + found.numel()]
         n = truth.numel()
         matches[i, :n], lengths[i] = found[:n] == truth, found.numel()
         if found.numel():
             first[i] = found[0]
-    return matches, lengths, first
+    return Lookups(matches, lengths, first, matched)
 
 
 def lookup_first_choice(head_matches: torch.Tensor, head_first: torch.Tensor, head_sure: torch.Tensor,
-                        found: torch.Tensor, found_len: torch.Tensor, found_first: torch.Tensor,
-                        override: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:class:`~sparsedraft.speculative.lookup_first.LookupFirst`'s choice at each entry: the head's drafts where
-    lookup found nothing or the head's first draft (``head_first``, its top-1 probability ``head_sure``) is another
-    token at >= ``override``, lookup's (``found``: matches, ``found_first``: its first token) elsewhere. Returns
-    the chosen matches, the proposals' lengths (the head's: all of ``head_matches``' columns) and where lookup went."""
-    by_lookup = (found_len > 0) & ~overrides(head_sure, head_first, found_first, override)
-    matches = torch.where(by_lookup[:, None], found, head_matches)
-    lengths = torch.where(by_lookup, found_len, torch.full_like(found_len, head_matches.shape[1]))
+                        found: Lookups, override: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:class:`~sparsedraft.speculative.lookup_first.LookupFirst`'s choice at each entry: the head's drafts
+    (``head_matches``) where lookup found nothing, or where the head is asked and its first draft (``head_first``,
+    its top-1 probability ``head_sure``) is another token at >= ``override``; lookup's elsewhere. Returns the chosen
+    matches, the proposals' lengths (the head's: all of ``head_matches``' columns) and where lookup went."""
+    taken = asks_model(found.matched, override) & overrides(head_sure, head_first, found.first, override)
+    by_lookup = (found.lengths > 0) & ~taken
+    matches = torch.where(by_lookup[:, None], found.matches[:, :head_matches.shape[1]], head_matches)
+    lengths = torch.where(by_lookup, found.lengths, torch.full_like(found.lengths, head_matches.shape[1]))
     return matches, lengths, by_lookup
 
 
@@ -243,11 +253,11 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         true = head.top(data.features[row:row + 1, length:t - 1]).to(device).float()  # the target's before them
         confidence.append(heads[""].logits(true).float().softmax(-1).amax(-1).flatten())
         entries = torch.arange(length - 1, t - 2)  # every first draft's entry; the chain starts lead them
-        found, found_len, found_first = lookup_matches(tokens[0].cpu(), entries, top)
-        lookup["first"].append(found[:, 0].float())
-        at_starts = (found[:starts.numel()], found_len[:starts.numel()], found_first[:starts.numel()])
+        found = lookup_matches(tokens[0].cpu(), entries, top)
+        lookup["first"].append(found.matches[:, 0].float())
+        at_starts = found[:starts.numel()]
         for g in gammas:
-            lookup["rounds"][g] += stopped_rounds(at_starts[0], g, lengths=at_starts[1])
+            lookup["rounds"][g] += stopped_rounds(at_starts.matches, g, lengths=at_starts.lengths)
         for name, tok in heads.items():
             drafts, drafts_sure = tok.predict_sure(outs[0][:, length - 1:t - 2])  # entry e predicts token e + 2
             hits = drafts == tokens[:, length + 1:]
@@ -261,11 +271,10 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
                 for at in STOP_AT:
                     stops[name][at][g] += stopped_rounds(chain, g, surest >= at)
             for c, seen in mixed[name].items():
-                chosen, _, _ = lookup_first_choice(hits.cpu().T, drafts[0].cpu(), drafts_sure[0].cpu(), found[:, :1],
-                                                   found_len, found_first, c)
+                chosen, _, _ = lookup_first_choice(hits.cpu().T, drafts[0].cpu(), drafts_sure[0].cpu(), found, c)
                 seen["first"].append(chosen[:, 0].float())
                 chosen, lengths, by_lookup = lookup_first_choice(chain.cpu(), drafted[0][0][0].cpu(),
-                                                                 drafted[0][1][0].cpu(), *at_starts, c)
+                                                                 drafted[0][1][0].cpu(), at_starts, c)
                 for g in gammas:
                     seen["rounds"][g] += stopped_rounds(chosen, g, lengths=lengths)
                 seen["by_lookup"].append(by_lookup.float())

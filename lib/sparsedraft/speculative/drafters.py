@@ -267,12 +267,14 @@ class NgramDrafter(Drafter):
                 f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
         self.history = torch.zeros(0, dtype=torch.long)
+        self.matched = 0  # tokens of the match the last proposal came from (0: none)
 
     def start(self, prompt: torch.Tensor, target: TargetState, ctx: DraftContext) -> None:
         self.history, self.proposed = prompt.detach().clone(), 0
 
     def propose(self, gamma: int) -> Proposal:
-        tokens = ngram_lookup(self.history, gamma, self.max_ngram, self.min_ngram) if gamma else self.history[:0]
+        tokens, self.matched = ngram_lookup(self.history, gamma, self.max_ngram, self.min_ngram) if gamma \
+            else (self.history[:0], 0)
         self.history = torch.cat((self.history, tokens))
         self.proposed = tokens.numel()
         q = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
@@ -290,17 +292,18 @@ class NgramDrafter(Drafter):
         self.proposed = len(tokens)
 
 
-def ngram_lookup(history: torch.Tensor, gamma: int, max_ngram: int = 3, min_ngram: int = 1) -> torch.Tensor:
+def ngram_lookup(history: torch.Tensor, gamma: int, max_ngram: int = 3,
+                 min_ngram: int = 1) -> tuple[torch.Tensor, int]:
     """Prompt lookup over ``history`` [L]: up to ``gamma`` tokens that followed the newest earlier occurrence of its
-    last n tokens, n from ``max_ngram`` down to ``min_ngram``; empty when none occurs."""
+    last n tokens, n from ``max_ngram`` down to ``min_ngram``, and that n; empty and 0 when none occurs."""
     h = history
     for n in range(min(max_ngram, h.numel() - 1), min_ngram - 1, -1):
         earlier = h[:-1].unfold(0, n, 1)  # every n-gram that has a successor, [L - n, n]
         hits = (earlier == h[-n:]).all(1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n
-            return h[start:start + gamma]
-    return h[:0]
+            return h[start:start + gamma], n
+    return h[:0], 0
 
 
 def proposal_of(tokens: list[int], qs: list[torch.Tensor], vocab: int, device: torch.device,

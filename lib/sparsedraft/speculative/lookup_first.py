@@ -10,18 +10,19 @@ context has nothing to copy, only a model can guess. So each round asks both:
 
 - lookup proposes what followed the newest earlier occurrence of the last
   tokens (up to ``gamma``, one-hot q);
-- the model drafts its first token; if it is at least ``override`` sure of
-  a different first token (its own top-1 probability at temperature 1,
-  :func:`~.drafters.top1`), or lookup found nothing, the model drafts the
-  round (its chain, with its own confidence stop); otherwise lookup's
-  tokens go, and the model's first draft is taken back.
-- At ``override`` 1 the model is not asked in a round lookup has tokens for:
-  it drafts only where lookup finds nothing, and costs nothing elsewhere
-  (a feature head then takes the entries it missed in its next forward).
-  A head step reads its layer, its KV and its LM head from memory, since
-  the verification between two steps evicts them from the caches; where
-  lookup's tokens are kept about as often either way, asking the model
-  every round can cost more than it brings (docs/feature-drafter.md).
+- where lookup found its tokens from a match of a single token, the model
+  drafts its first token; if it is at least ``override`` sure of a
+  different first token (its own top-1 probability at temperature 1,
+  :func:`~.drafters.top1`), the model drafts the round (its chain, with its
+  own confidence stop); otherwise lookup's tokens go, and the model's first
+  draft is taken back. Where lookup found nothing the model drafts.
+- A match of :data:`TRUSTED_MATCH` tokens or more goes without asking the
+  model, and at ``override`` 1 every match does: the model then costs nothing
+  in those rounds (a feature head takes the entries it skipped in its next
+  forward). A head step reads its layer, its KV and its LM head from
+  memory, since the verification between two steps evicts them from the
+  caches, so asking every round costs a round about a tenth at 4K
+  (docs/feature-drafter.md).
 
 The choice reads only the model's logits and the context, never a random
 draw, so under sampling each proposal's q is still the exact law its
@@ -43,11 +44,23 @@ from .feature_drafter import FeatureDrafter
 from .stats import LevelStats
 
 
+# A continuation found from a match of this many tokens or more goes without asking the model: on the agreement
+# bench's positions such copies are kept far more often than those found from one token (bench.agreement's
+# lookup_first rows; docs/feature-drafter.md), and asking the model costs a draft step each round.
+TRUSTED_MATCH = 2
+
+
+def asks_model(matched, override: float):
+    """Whether the model drafts its first token in a round where lookup's proposal came from a match of
+    ``matched`` tokens (0: none): always without a proposal, never at ``override`` 1 or from a trusted match
+    (ints or tensors of them)."""
+    return (matched == 0) | ((matched < TRUSTED_MATCH) & (override < 1))
+
+
 def overrides(sure, model_token, lookup_token, override: float):
-    """Whether the model takes a round lookup has tokens for: its first draft ``model_token`` is another token than
-    lookup's and its top-1 probability ``sure`` reaches ``override``; never at ``override`` 1, where the model is
-    not even asked (floats or tensors of them)."""
-    return (sure >= override) & (model_token != lookup_token) & (override < 1)
+    """Whether the model, asked, takes a round lookup has tokens for: its first draft ``model_token`` is another
+    token than lookup's and its top-1 probability ``sure`` reaches ``override`` (floats or tensors of them)."""
+    return (sure >= override) & (model_token != lookup_token)
 
 
 def check_override(override: float) -> None:
@@ -92,7 +105,7 @@ class LookupFirst(Drafter):
         found = self.lookup.propose(gamma)
         if not gamma:
             return found
-        first = None if found.tokens.numel() and self.override >= 1 else self.model.propose(1)
+        first = self.model.propose(1) if asks_model(self.lookup.matched, self.override) else None
         if found.tokens.numel() and (first is None or not overrides(float(first.top1[0]), int(first.q[0].argmax()),
                                                                     int(found.tokens[0]), self.override)):
             if first is not None:
