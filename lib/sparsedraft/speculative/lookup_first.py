@@ -44,9 +44,10 @@ from .feature_drafter import FeatureDrafter
 from .stats import LevelStats
 
 
-# A continuation found from a match of this many tokens or more goes without asking the model: on the agreement
-# bench's positions such copies are kept far more often than those found from one token (bench.agreement's
-# lookup_first rows; docs/feature-drafter.md), and asking the model costs a draft step each round.
+# A continuation found from a match of this many tokens or more goes without asking the model. Simulated on the
+# agreement bench's positions (scratch, in the message of the commit that set it), asking only on one-token
+# matches kept nearly as many drafts a round as asking every round, with the model run in about a fifth of the
+# rounds; the races since (docs/feature-drafter.md) halved the drafting time a round.
 TRUSTED_MATCH = 2
 
 
