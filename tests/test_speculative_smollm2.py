@@ -2,8 +2,9 @@
 
 Each prompt (eight at 1K, two at 4K context, 64 new tokens: 10 x 64 tokens)
 is decoded autoregressively and by one speculative decoder, in turn: prompt
-lookup, a layer-truncated draft (two levels), retrieval without hierarchy and
-TriForce (a truncated draft at level 1). A truncated SmolLM2 is a poor draft
+lookup, a layer-truncated draft (two levels), prompt lookup first with that
+draft where lookup's match is one token (``LookupFirst``), retrieval without
+hierarchy and TriForce (a truncated draft at level 1). A truncated SmolLM2 is a poor draft
 (a few % acceptance): these runs check equality, not speed.
 
 Both runs of a case start from one shared prefill (each copies it); that every decoder's own prefill
@@ -18,13 +19,14 @@ import torch
 from sparsedraft.engine.data import prompt_tokens
 from sparsedraft.engine.generate import generate
 from sparsedraft.engine.prefill_store import prefill_prompt
-from sparsedraft.speculative import ModelDrafter, NgramDrafter, retrieval, speculative, triforce, truncated_draft
+from sparsedraft.speculative import (LookupFirst, ModelDrafter, NgramDrafter, retrieval, speculative, triforce,
+                                     truncated_draft)
 
 pytestmark = pytest.mark.slow
 
 NEW = 64
-DECODERS = ("ngram", "truncated", "retrieval", "triforce")
-CASES = [(1024, v, DECODERS[v % 4]) for v in range(8)] + [(4096, v, DECODERS[2 + v]) for v in range(2)]
+DECODERS = ("ngram", "truncated", "lookup-first", "retrieval", "triforce")
+CASES = [(1024, v, DECODERS[v % len(DECODERS)]) for v in range(8)] + [(4096, v, DECODERS[3 + v]) for v in range(2)]
 
 
 def decode(name: str, target, prompt: torch.Tensor, prefilled):
@@ -36,6 +38,10 @@ def decode(name: str, target, prompt: torch.Tensor, prefilled):
         draft = truncated_draft(target, 4)
         return speculative(target, ModelDrafter(draft, draft.new_cache(context)), prompt, NEW, gamma=4,
                            prefilled=prefilled)
+    if name == "lookup-first":
+        draft = truncated_draft(target, 4)
+        drafter = LookupFirst(ModelDrafter(draft, draft.new_cache(context)), 0.5)
+        return speculative(target, drafter, prompt, NEW, gamma=4, prefilled=prefilled)
     if name == "retrieval":
         return retrieval(target, prompt, NEW, gamma=6, budget=budget, chunk_size=8, rebuild="accept<0.6:4",
                          prefilled=prefilled)
