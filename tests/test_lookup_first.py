@@ -82,17 +82,19 @@ def test_lookup_first_as_triforce_level_one_equals_plain_decoding(loop):
     both_drafted(level1)
 
 
-@pytest.mark.parametrize("method,options", [
+METHODS_WITH_LOOKUP = [
     ("spec", {"gamma": GAMMA}),
     ("spec", {"gamma": GAMMA, "draft_confidence": 0.3}),
     ("budgetdraft", {"gamma": GAMMA, "budget": 16, "chunk_size": 4}),
     ("triforce", {"gamma1": 2, "gamma2": 4, "budget": 16, "chunk_size": 4, "sink": 4, "window": 8}),
-])
-@pytest.mark.parametrize("draft", ["head", "truncated:1"])
+]
+
+
+@pytest.mark.parametrize("method,options,draft", [(m, o, d) for m, o in METHODS_WITH_LOOKUP
+                                                  for d in ("head", "truncated:1")
+                                                  if m != "budgetdraft" or d == "head"])  # budgetdraft: a head
 def test_decode_takes_draft_lookup_for_every_method_with_a_draft_model(loop, method, options, draft):
     target, head, prompt, ar = loop
-    if method == "budgetdraft" and draft != "head":
-        pytest.skip("budgetdraft's truncated draft is covered by spec with a budget cache")
     out = decode(target, prompt, method, NEW, draft=head if draft == "head" else draft, draft_lookup=0.5, **options)
     assert torch.equal(out.tokens, ar)
 
@@ -259,3 +261,24 @@ def test_the_simulated_rounds_are_the_rounds_decoding_runs(loop, tmp_path, monke
     assert 0 < report["lookup_first"][override]["lookup_starts"] < 1  # both sources drafted
     assert sum(d for d, _ in ran) / len(ran) == pytest.approx(simulated["drafted_per_round"])
     assert sum(a for _, a in ran) / len(ran) == pytest.approx(simulated["accepted_per_round"])
+
+
+def test_a_drafter_takes_its_top1_probabilities_only_when_something_reads_them(loop):
+    """The softmax over the vocabulary behind Proposal.top1 is paid by a drafter that stops on its confidence or is
+    weighed by LookupFirst, not by every draft step."""
+    from sparsedraft.speculative.drafters import DraftContext
+    from sparsedraft.speculative.drivers import prefill_target
+    from sparsedraft.speculative.stats import Stopwatch
+    target, head, prompt, _ = loop
+    with torch.inference_mode():
+        state = prefill_target(target, prompt, 8, False, None, True, ())
+        for confidence, weighed in ((0.0, False), (0.2, False), (0.0, True)):
+            drafter = FeatureDrafter.create(head, "full", prompt.shape[1] + 8, gamma=3)
+            drafter.confidence = confidence
+            if weighed:
+                LookupFirst(drafter, 0.5)
+            drafter.start(prompt[0], state, DraftContext(SamplingConfig(), None, Stopwatch()))
+            out = drafter.propose(3)
+            assert (out.top1 is None) == (not confidence and not weighed), (confidence, weighed)
+            if out.top1 is not None:
+                assert out.top1.shape == out.tokens.shape and bool(((out.top1 > 0) & (out.top1 <= 1)).all())

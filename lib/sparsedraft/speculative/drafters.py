@@ -47,7 +47,7 @@ class Proposal:
     tokens: torch.Tensor  # [g] drafted ids, g <= the requested length
     q: torch.Tensor  # [g, V] float32: the distribution each token was drawn from
     # [g] float32: each draft's top-1 probability under the drafter's own model at temperature 1 (``top1``),
-    # whatever the run samples with; None for a proposer without a model (prompt lookup)
+    # whatever the run samples with, from a drafter that stops on its confidence or ``reports_top1``; else None
     top1: torch.Tensor | None = None
 
 
@@ -114,6 +114,9 @@ class Drafter(ABC):
     feature_layers: tuple[int, ...] = ()  # lower target layers whose outputs precede the top's in those features
     proposed = 0  # length of the last proposal, not yet committed
     confidence = 0.0  # a drafter with a model stops a proposal after a draft less sure than this (see ``sure``)
+    # A drafter with a model fills Proposal.top1 when set (by a proposer that weighs its confidence: LookupFirst);
+    # otherwise only a confidence stop pays for the softmax over the vocabulary each draft step
+    reports_top1 = False
 
     def check(self, context: int) -> None:
         """Fail before heavy work if ``context`` total tokens cannot fit."""
@@ -214,7 +217,8 @@ class ModelDrafter(Drafter):
         return logits[0]
 
     def propose(self, gamma: int) -> Proposal:
-        tokens, qs, tops = [], [], []
+        tokens, qs = [], []
+        tops: list[float] | None = [] if self.confidence or self.reports_top1 else None
         feed = self.pending
         for _ in range(gamma):
             logits = self._forward(feed, True)[-1]
@@ -222,9 +226,10 @@ class ModelDrafter(Drafter):
             feed = [draw(q, self.ctx)]
             tokens += feed
             qs.append(q)
-            tops.append(top1(logits))
-            if tops[-1] < self.confidence:  # sure(logits, confidence), from the probability just taken
-                break
+            if tops is not None:
+                tops.append(top1(logits))
+                if tops[-1] < self.confidence:  # sure(logits, confidence), from the probability just taken
+                    break
         if tokens:
             self.pending = feed
         self.proposed = len(tokens)
@@ -308,8 +313,8 @@ def ngram_lookup(history: torch.Tensor, gamma: int, max_ngram: int = 3,
 
 def proposal_of(tokens: list[int], qs: list[torch.Tensor], vocab: int, device: torch.device,
                 tops: list[float] | None = None) -> Proposal:
-    """A Proposal from token ids, their distributions (rows of [V] or [n, V] blocks, in order) and, from a
-    drafter with a model, each token's top-1 probability (:func:`top1`)."""
+    """A Proposal from token ids, their distributions (rows of [V] or [n, V] blocks, in order) and, where the
+    drafter took them, each token's top-1 probability (:func:`top1`)."""
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     q = torch.cat([x.reshape(-1, vocab) for x in qs]) if qs else torch.zeros(0, vocab, device=device)
     return Proposal(ids, q, None if tops is None else torch.tensor(tops, dtype=torch.float32))

@@ -109,7 +109,8 @@ class FeatureDrafter(Drafter):
             self.feats = torch.cat((self.feats, extra))
 
     def propose(self, gamma: int) -> Proposal:
-        tokens, qs, tops = [], [], []
+        tokens, qs = [], []
+        tops: list[float] | None = [] if self.confidence or self.reports_top1 else None
         for _ in range(gamma):
             n = len(self.tokens)
             require(self.known >= n - 1, "the feature drafter lacks the feature of a committed token; its verifier "
@@ -129,9 +130,10 @@ class FeatureDrafter(Drafter):
             self.tokens.append(token)
             tokens.append(token)
             qs.append(q)
-            tops.append(top1(logits))
-            if tops[-1] < self.confidence:  # sure(logits, confidence), from the probability just taken
-                break
+            if tops is not None:
+                tops.append(top1(logits))
+                if tops[-1] < self.confidence:  # sure(logits, confidence), from the probability just taken
+                    break
         self.proposed = len(tokens)
         return proposal_of(tokens, qs, self.vocab_size, self.head.device, tops)
 

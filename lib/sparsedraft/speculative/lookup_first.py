@@ -79,6 +79,7 @@ class LookupFirst(Drafter):
                 f"LookupFirst needs a drafter with a model of its own (a ModelDrafter or FeatureDrafter) to weigh "
                 f"against prompt lookup, got {type(model).__name__}")
         self.model, self.override = model, override
+        model.reports_top1 = True  # the choice reads the model's first draft's top-1 probability
         self.lookup = NgramDrafter(model.vocab_size, max_ngram, min_ngram)
         self.vocab_size = model.vocab_size
         self.needs_target_queries = model.needs_target_queries
