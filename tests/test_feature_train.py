@@ -241,6 +241,8 @@ def test_an_unknown_token_target_is_refused_by_the_config(tmp_path):
     (["--kind", "slice", "--unroll", "2"], "has no option.*--unroll"),
     (["--kind", "feature", "--unroll", "-1"], "unroll must be >= 0"),
     (["--kind", "feature", "--budgets", "2048"], "longer than the largest budget"),
+    (["--kind", "feature", "--temperature", "0", "--sampled-sets", "2"], "same text in every set"),
+    (["--kind", "feature", "--temperature", "-0.1"], "temperature must be >= 0"),
     (["--kind", "feature", "--sequences", "0", "--pydoc-sequences", "0", "--sampled-sequences", "0"],
      "no training data"),
 ])
@@ -252,6 +254,19 @@ def test_bad_flags_fail_before_any_model_loads(flags, message, monkeypatch, caps
     monkeypatch.setattr("sparsedraft.budgetdraft.train.load_model", no_loading)
     assert main(["train-drafter", *flags]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_greedy_continuations_follow_the_teachers_own_greedy_tokens(tmp_path):
+    from sparsedraft.budgetdraft.feature_data import sampled_teacher
+    target = tiny_model("llama")
+    prompt, new = 16, 24
+    windows = sampled_teacher(target, "tiny-llama", model_tokenizer("tiny-llama"), 3, prompt, new, 0.0, 5, tmp_path,
+                              batch=2)
+    for w in windows:  # every continued token is the greedy token the decode computed one position before
+        assert torch.equal(w.tokens[prompt:], w.greedy[prompt - 1:-1])
+    sampled = sampled_teacher(target, "tiny-llama", model_tokenizer("tiny-llama"), 3, prompt, new, 1.0, 5,
+                              tmp_path, batch=2)
+    assert any(not torch.equal(w.tokens[prompt:], w.greedy[prompt - 1:-1]) for w in sampled)  # the check can fail
 
 
 def test_greedy_rounds_skip_past_the_bonus_token():

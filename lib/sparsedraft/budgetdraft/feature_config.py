@@ -48,7 +48,9 @@ class FeatureTrainConfig:
                 "its own cache file): more of the target's own text for the price of its decode alone"})
     sampled_prompt: int = field(default=256, metadata={"help": "prompt tokens of each sampled window"})
     sampled_tokens: int = field(default=768, metadata={"help": "sampled tokens after each prompt"})
-    temperature: float = field(default=0.8, metadata={"help": "sampling temperature of the continuations"})
+    temperature: float = field(default=0.8, metadata={
+        "help": "sampling temperature of the continuations; 0: the target's greedy continuations (the loops a "
+                "greedy speculative decoder faces), one set only"})
     sample_batch: int = field(default=32, metadata={
         "help": "continuations decoded together in one batched cache (torch's GEMM; its prompt forward keeps "
                 "sample_batch x sampled_prompt x vocab logits: 1.6 GB at 32 x 256 on SmolLM2)"})
@@ -122,7 +124,10 @@ class FeatureTrainConfig:
                 "no training data: give sequences, pydoc_sequences or sampled_sequences >= 1")
         require(self.sampled_sequences == 0 or self.sampled_tokens >= 1,
                 "sampled_tokens must be >= 1 when sampled_sequences > 0")
-        require(self.temperature > 0, f"temperature must be > 0 (sampled continuations), got {self.temperature}")
+        require(self.temperature >= 0, f"temperature must be >= 0 (0: greedy continuations), got {self.temperature}")
+        require(self.temperature > 0 or self.sampled_sets == 1,
+                f"greedy continuations (temperature 0) are the same text in every set: give sampled_sets 1, not "
+                f"{self.sampled_sets}, or a temperature > 0")
         require(0 <= self.step_decay <= 1, f"step_decay must be in [0, 1], got {self.step_decay}")
         require(self.noise >= 0, f"noise must be >= 0, got {self.noise}")
         require(self.embed_gain >= 0, f"embed_gain must be >= 0, got {self.embed_gain}")
