@@ -10,7 +10,8 @@ import torch
 from sparsedraft.__main__ import main
 from sparsedraft.budgetdraft.feature_config import FeatureTrainConfig
 from sparsedraft.budgetdraft.feature_eval import (accepted_per_round, agreement_summary, by_confidence, chain_conditionals,
-                                                 stopped_rounds)
+                                                 stopped_rounds, training_fit)
+from sparsedraft.budgetdraft.feature_data import Window
 from sparsedraft.budgetdraft.feature_loss import TokenHead, token_ce, unroll
 from sparsedraft.budgetdraft import feature_train
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
@@ -163,6 +164,7 @@ def test_the_saved_drafter_loads_for_its_target_only(tmp_path):
         assert record["recipe"]["steps"] == 2 and record["loss"] == "L_A + lam * L_C"
         assert record["held_out_agreement"]["first_draft"] >= 0 and record["data"]["pydoc_tokens"] == 64
         assert record["data"]["sampled_tokens"] == 96
+        assert set(record["training_fit"]) == {"essays", "pydoc", "sampled"}
     with pytest.raises(SparsedraftError, match="trained for target"):
         load_feature_head(tmp_path / "export", tiny_model("llama", seed=1))
 
@@ -267,6 +269,22 @@ def test_greedy_continuations_follow_the_teachers_own_greedy_tokens(tmp_path):
     sampled = sampled_teacher(target, "tiny-llama", model_tokenizer("tiny-llama"), 3, prompt, new, 1.0, 5,
                               tmp_path, batch=2)
     assert any(not torch.equal(w.tokens[prompt:], w.greedy[prompt - 1:-1]) for w in sampled)  # the check can fail
+
+
+def test_training_fit_scores_a_sampled_window_on_its_continued_part_only():
+    target = tiny_model("llama")
+    head = random_head(target)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, target.cfg.vocab_size, (40,), generator=g)
+    features = torch.randn(40, target.cfg.hidden_size, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        out = head(features[None, :-1].float(), tokens[None, 1:], torch.arange(39))
+    drafts = TokenHead(head, None).predict(out)[0]  # entry e drafts the target's greedy token at e + 1
+    greedy = torch.cat((tokens[:1], drafts))  # a target that agrees with the head everywhere ...
+    greedy[1:25] = (drafts[:24] + 1) % target.cfg.vocab_size  # ... but on the first 24 entries
+    window = lambda source: Window(tokens, features, greedy, greedy[:, None], torch.ones(40, 1), source)
+    fit = training_fit(head, [window("essays"), window("sampled")], sampled_prompt=25)
+    assert fit["essays"] == pytest.approx(15 / 39) and fit["sampled"] == 1.0
 
 
 def test_greedy_rounds_skip_past_the_bonus_token():

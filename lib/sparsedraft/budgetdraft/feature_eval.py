@@ -28,6 +28,12 @@
     :class:`~sparsedraft.speculative.lookup_first.LookupFirst` (lookup unless
     the head is sure of another token) at each of :data:`LOOKUP_OVERRIDES`.
 
+(d) :func:`training_fit`: (a)'s first draft on the run's own training
+    windows, per source (the sampled ones on their continued part only).
+    Beside (a) and (b) it says whether a head learnt a rule or its text: a
+    head far better on its training continuations than on held-out ones has
+    memorised them.
+
 Every measure is given for the full head and, when a draft vocabulary is
 passed, for the restricted head over it. The continuation set is cached on
 disk like the training teacher.
@@ -81,6 +87,30 @@ def window_agreement(head: FeatureHead, window: Window, ids: torch.Tensor | None
                                          .float().mean())
     for j in range(1, steps + 1):
         out[f"step_{j}"] = float((full.predict(outs[j]) == greedy[:, starts + j + 1]).float().mean())
+    return out
+
+
+FIT_WINDOWS = 16  # training windows per source that training_fit reads (evenly spaced)
+
+
+@torch.no_grad()
+def training_fit(head: FeatureHead, windows: Sequence[Window], sampled_prompt: int,
+                 per_source: int = FIT_WINDOWS) -> dict[str, float]:
+    """(d): the share of entries whose first draft (full head, true features in) is the target's greedy token,
+    over up to ``per_source`` of the training ``windows`` of each source; a sampled window is scored from its
+    ``sampled_prompt``-th token on, the target's own text."""
+    device, out = head.device, {}
+    for source in dict.fromkeys(w.source for w in windows):
+        mine = [w for w in windows if w.source == source]
+        hits = total = 0
+        for w in mine[::max(1, len(mine) // per_source)][:per_source]:
+            tokens = w.tokens[None].to(device)
+            outs, _ = unroll(head, w.features[None].to(device).float(), tokens,
+                             torch.zeros(0, dtype=torch.long, device=device), 0)
+            right = TokenHead(head, None).predict(outs[0])[0] == w.greedy[1:].to(device)
+            right = right[sampled_prompt - 1:] if source == "sampled" else right
+            hits, total = hits + int(right.sum()), total + right.numel()
+        out[source] = hits / total
     return out
 
 

@@ -44,7 +44,7 @@ from ..speculative.vocab import frequent_tokens
 from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
 from .feature_config import SET_SEED_STRIDE, FeatureTrainConfig
 from .feature_data import Window, feature_scales, sampled_teacher, teacher_windows, text_windows
-from .feature_eval import budgeted_agreement, window_agreement
+from .feature_eval import budgeted_agreement, training_fit, window_agreement
 from .feature_loss import Draws, TokenHead, feature_loss
 from .teacher import corpus_windows
 
@@ -344,6 +344,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         record["resumed_from_step"] = saved["step"]
     if lineage is not None:  # the export may overwrite the folder it started from: keep what it was
         record["started_from"] = lineage
+    record["training_fit"] = training_fit(head, data.train, cfg.sampled_prompt)
     if evaluate is not None:
         record["measured"] = evaluate(head)
     record["wall_seconds"] = round(time.time() - began, 1)
