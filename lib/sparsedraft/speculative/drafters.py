@@ -121,6 +121,19 @@ class Drafter(ABC):
     def check(self, context: int) -> None:
         """Fail before heavy work if ``context`` total tokens cannot fit."""
 
+    def top1_list(self) -> list[float] | None:
+        """Where a proposal's draft steps keep each draft's top-1 probability (:meth:`unsure_after` fills it):
+        a list when a confidence stop or ``reports_top1`` reads them, else None, so no softmax is taken."""
+        return [] if self.confidence or self.reports_top1 else None
+
+    def unsure_after(self, tops: list[float] | None, logits: torch.Tensor) -> bool:
+        """Keep the draft's top-1 probability in ``tops`` (where kept) and say whether the proposal stops after
+        it: the same test as :func:`sure`, from the probability just taken."""
+        if tops is None:
+            return False
+        tops.append(top1(logits))
+        return tops[-1] < self.confidence
+
     @abstractmethod
     def start(self, prompt: torch.Tensor, target: TargetState, ctx: DraftContext) -> None:
         """Synchronise with ``prompt`` [T] (all of it committed, the last token pending)."""
@@ -218,7 +231,7 @@ class ModelDrafter(Drafter):
 
     def propose(self, gamma: int) -> Proposal:
         tokens, qs = [], []
-        tops: list[float] | None = [] if self.confidence or self.reports_top1 else None
+        tops = self.top1_list()
         feed = self.pending
         for _ in range(gamma):
             logits = self._forward(feed, True)[-1]
@@ -226,10 +239,8 @@ class ModelDrafter(Drafter):
             feed = [draw(q, self.ctx)]
             tokens += feed
             qs.append(q)
-            if tops is not None:
-                tops.append(top1(logits))
-                if tops[-1] < self.confidence:  # sure(logits, confidence), from the probability just taken
-                    break
+            if self.unsure_after(tops, logits):
+                break
         if tokens:
             self.pending = feed
         self.proposed = len(tokens)

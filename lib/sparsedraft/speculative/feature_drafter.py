@@ -32,7 +32,7 @@ from ..engine.prefill import prefill
 from ..engine.sampling import probabilities
 from ..errors import require
 from .budget import budget_prefill
-from .drafters import DraftContext, Drafter, Proposal, TargetState, draw, proposal_of, top1
+from .drafters import DraftContext, Drafter, Proposal, TargetState, draw, proposal_of
 from .feature import Entries, FeatureHead
 
 FEATURE_CACHES = ("full", "streaming", "budget")
@@ -110,7 +110,7 @@ class FeatureDrafter(Drafter):
 
     def propose(self, gamma: int) -> Proposal:
         tokens, qs = [], []
-        tops: list[float] | None = [] if self.confidence or self.reports_top1 else None
+        tops = self.top1_list()
         for _ in range(gamma):
             n = len(self.tokens)
             require(self.known >= n - 1, "the feature drafter lacks the feature of a committed token; its verifier "
@@ -130,10 +130,8 @@ class FeatureDrafter(Drafter):
             self.tokens.append(token)
             tokens.append(token)
             qs.append(q)
-            if tops is not None:
-                tops.append(top1(logits))
-                if tops[-1] < self.confidence:  # sure(logits, confidence), from the probability just taken
-                    break
+            if self.unsure_after(tops, logits):
+                break
         self.proposed = len(tokens)
         return proposal_of(tokens, qs, self.vocab_size, self.head.device, tops)
 
