@@ -3,6 +3,7 @@ JSON contract, and bad input refused before any model loads."""
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,3 +268,40 @@ def test_step_ops_bench_refuses_bad_flags_before_loading_a_model(monkeypatch):
         step_ops.main(["--record", "out.txt"])
     with pytest.raises(SparsedraftError, match="draft_weights must be one of"):
         step_ops.main(["--draft-weights", "int3"])
+
+
+def test_kernel_timing_refuses_a_commit_that_is_not_there_before_building_the_kernel(monkeypatch):
+    from sparsedraft.bench import kernel_timing
+    monkeypatch.setattr(kernel_timing, "available", lambda: pytest.fail("built the kernel"))
+    with pytest.raises(SparsedraftError, match="--against 'no-such-commit'"):
+        kernel_timing.main(["--against", "no-such-commit"])
+
+
+def test_kernels_at_refuses_a_commit_from_before_the_kernels_files():
+    """The repository's first commit has no kernels: one error naming the missing file, before any build."""
+    import subprocess
+    from sparsedraft.bench.kernels_at import kernels_at
+    from sparsedraft.engine import kernels
+    if not kernels.available():
+        pytest.skip("the C++ kernels do not build here")
+    first = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True,
+                           cwd=Path(kernels.__file__).parent).stdout.split()[0]
+    with pytest.raises(SparsedraftError, match=r"has no lib/sparsedraft/engine/kernels/.*pick a later commit"):
+        kernels_at(first)
+
+
+def test_kernels_at_head_run_beside_the_loaded_ones_with_their_bits():
+    """bench.kernel_timing --against: HEAD's kernels, built from git beside the loaded build, take turns with it
+    in one process; where the checkout's kernels are HEAD's, every output has the same bits (and the build is
+    the cached one: same files, same key)."""
+    from sparsedraft.bench import kernel_timing
+    from sparsedraft.bench.kernels_at import kernels_at
+    from sparsedraft.engine import kernels
+    if not kernels.available():
+        pytest.skip("the C++ kernels do not build here")
+    against = kernels_at("HEAD")
+    rows = kernel_timing.time_step(layers=2, context=300, t=1, dtype="fp32", warmup=0, repeats=1, against=against)
+    assert [r["method"] for r in rows] == ["sdpa", "kernel", "kernel, rows as lanes", f"kernel at {against[1][:10]}"]
+    assert all(r["same_bits_as_against"] for r in rows)
+    linear = kernel_timing.time_linear(2, layers=1, vocab=64, warmup=0, repeats=1, against=against)
+    assert linear[-1]["method"] == f"kernel at {against[1][:10]}" and linear[-1]["same_bits_as_against"]

@@ -145,9 +145,9 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in keep}))
 
 
-def build_key(flags: list[str]) -> str:
+def build_key(flags: list[str], files: tuple[Path, ...] = (*SOURCES, *HEADERS)) -> str:
     """Hash of everything that makes a built module reusable; names its folder and module."""
-    parts = [*(source.read_bytes() for source in (*SOURCES, *HEADERS)), " ".join(flags).encode(),
+    parts = [*(source.read_bytes() for source in files), " ".join(flags).encode(),
              torch.__version__.encode(), sys.version.encode(), platform.machine().encode(),
              os.environ.get("CXX", "c++").encode(), _cpu_fingerprint().encode()]
     digest = hashlib.sha256()
@@ -156,9 +156,10 @@ def build_key(flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build(flags: list[str]) -> ModuleType:
+def _build(flags: list[str], sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS) -> ModuleType:
+    """The module built from ``sources`` (which include ``headers``) with ``flags``, or the cached build of them."""
     from torch.utils.cpp_extension import load
-    key = build_key(flags)
+    key = build_key(flags, (*sources, *headers))
     folder = cache_root() / key
     folder.mkdir(parents=True, exist_ok=True)
     torch_log = logging.getLogger("torch.utils.cpp_extension")
@@ -167,7 +168,7 @@ def _build(flags: list[str]) -> ModuleType:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return load(name=f"sparsedraft_attend_{key}", sources=[str(source) for source in SOURCES], extra_cflags=flags,
+            return load(name=f"sparsedraft_attend_{key}", sources=[str(source) for source in sources], extra_cflags=flags,
                         extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     finally:
         torch_log.setLevel(level)
@@ -215,6 +216,22 @@ def available() -> bool:
             warnings.warn(f"sparsedraft C++ attention kernel unavailable ({_failure}); using torch SDPA",
                           RuntimeWarning, stacklevel=2)
     return _module is not None
+
+
+def build_from(folder: Path) -> ModuleType:
+    """The kernels built from another copy of their files (:data:`SOURCES` and :data:`HEADERS` by name, in
+    ``folder``) with the loaded module's flags, and given its run-time switches (tiles, paired rows), so the two
+    run the same way in one process: ``bench.kernels_at`` builds a git revision's kernels this way for an A/B.
+    Cached like the module itself, by the files' contents. A failed build is a RuntimeError naming its reason."""
+    _built()
+    try:
+        module = _build(_flags, tuple(folder / p.name for p in SOURCES), tuple(folder / p.name for p in HEADERS))
+    except Exception as exc:  # noqa: BLE001 - the compiler's telling line, not its command
+        raise RuntimeError(_reason(exc)) from exc
+    for switch, value in (("allow_tiles", _tiles), ("allow_pairs", _choose_pairs())):
+        if hasattr(module, switch):  # an older revision may predate a switch
+            getattr(module, switch)(value)
+    return module
 
 
 def use_tiles(on: bool) -> bool:
