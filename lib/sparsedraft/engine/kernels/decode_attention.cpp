@@ -386,7 +386,8 @@ void score_keys_fused(const float* qt, int64_t rp, const scalar_t* k, int64_t le
       // This block's share of the prefetches, a few lines per column step (positions counted in key floats:
       // step d0 of block j0 covers [j0 * D + 8 * d0, + 64)). One burst of 32 lines per block filled the
       // miss buffers and stalled the scoring behind it; spread out, the fetches overlap the arithmetic
-      // (a decode's attention at 4K ran 20% faster so on a Zen 3 EPYC; docs/engine.md, "Kernels").
+      // (fp32 decode attention 8% faster at 4K and 16% at 16K on a Zen 3 EPYC, both builds in one process:
+      // docs/results/attention-prefetch-ab.json).
       prefetch_share(values, value_bytes, next_keys, next_bytes, len * D, j0 * D + d0 * 8, j0 * D + d0 * 8 + 64);
       __m256 col[8];
       transpose8(k + j0 * D + d0, D, col);
@@ -559,7 +560,7 @@ void score_keys_block(const float* qt, int64_t rp, const scalar_t* k, int64_t n,
 
 // Keys per step of the keys-as-lanes weighing, each step asking for its share of the next chunk's keys: 8 keys'
 // share is 32 lines, which the miss buffers absorb while the step's multiply-adds run; 32 keys' 128 lines at
-// once stalled the weighing (12% of a decode's attention at 4K on a Zen 3 EPYC).
+// once stalled the weighing (part of the gain in attention-prefetch-ab.json, above).
 constexpr int64_t kWeighKeys = 8;
 
 // attend_chunk with keys as lanes (steps of at most sh.key_rows rows): the same outputs, bit for bit.
