@@ -392,3 +392,37 @@ def test_the_agreement_bench_measures_a_folder_as_the_training_run_would(tmp_pat
     assert record["result"]["bench"] == "agreement" and record["machine"]["read_gb_s"] > 0
     with pytest.raises(SparsedraftError, match="no slice drafter"):
         agreement.main(["--draft", str(folder), "--slice", str(tmp_path / "none")])
+    agreement.main(["--draft", str(folder), "--context", "40", "--prompts", "2", "--tokens", "10", "--draft-vocab",
+                    "0", "--cache-dir", str(tmp_path / "cont"), "--head-window", "2", "8"])
+    windowed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert windowed["head_window"] == [2, 8]
+    assert windowed["report"]["first_draft"] == feature_eval.continuation_report(
+        load_feature_head(folder, target).eval(), data, window=(2, 8))["first_draft"]
+    with pytest.raises(SparsedraftError, match="--head-window takes SINK >= 0 and WINDOW >= 1"):
+        agreement.main(["--draft", str(folder), "--head-window", "2", "0"])
+
+
+def test_a_windowed_unroll_is_what_the_head_computes_over_a_streaming_cache():
+    """bench.agreement --head-window: the unroll's (sink, window) view gives, at every entry and draft step,
+    what the head computes over its StreamingLLM cache at true positions; without the window it differs."""
+    from sparsedraft.caches import StreamingCache
+    target = tiny_model("llama")
+    head = random_head(target, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    t, steps, sink, window = 40, 3, 2, 6
+    features = torch.randn(1, t, target.cfg.hidden_size, generator=gen)
+    tokens = torch.randint(target.cfg.vocab_size, (1, t), generator=gen)
+    starts = torch.tensor([3, 17, 30])
+    with torch.no_grad():
+        outs, _ = unroll(head, features, tokens, starts, steps, window=(sink, window))
+        full, _ = unroll(head, features, tokens, starts, steps)
+        assert not torch.allclose(outs[0][0, 20:], full[0][0, 20:], atol=1e-3)
+        for row, s in enumerate(starts.tolist()):
+            cache = StreamingCache(head.cfg, sink, window, spec_slots=steps + 1, positions="true")
+            for e in range(s):  # one entry at a time, as a drafter's cache fills
+                head(features[:, e:e + 1], tokens[:, e + 1:e + 2], torch.tensor([e]), cache)
+            pred = head(features[:, s:s + 1], tokens[:, s + 1:s + 2], torch.tensor([s]), cache)
+            torch.testing.assert_close(pred[0, 0], outs[0][0, s], rtol=1e-5, atol=1e-5)
+            for j in range(1, steps + 1):
+                pred = head(pred, tokens[:, s + j + 1:s + j + 2], torch.tensor([s + j]), cache)
+                torch.testing.assert_close(pred[0, 0], outs[j][0, row], rtol=1e-5, atol=1e-5)

@@ -8,7 +8,9 @@ records the first draft's agreement, the drafts kept per round that those contin
 drafter that stops on its own confidence (``draft_confidence``: drafts and kept drafts per round), the same
 rounds for prompt lookup alone and for lookup first with the head (``draft_lookup``),
 that agreement split by the target's own top-1 probability at each position (how much of the gap is the
-target's uncertainty), and, given ``--slice``, the slice drafter's first draft on the same positions.
+target's uncertainty), and, given ``--slice``, the slice drafter's first draft on the same positions. With
+``--head-window SINK WINDOW`` the head sees its own entries as a StreamingLLM cache of that size shows them
+(``FeatureDrafter.create(cache="streaming")``), instead of all of them.
 
 Not a test: ``python -m sparsedraft.bench.agreement --draft data/drafters/feature --slice outputs/budgetdraft/default
 --record docs/results/feature-agreement-4k.json``.
@@ -32,17 +34,20 @@ from .record import finish_module
 
 
 def measure(draft: str, context: int = 4096, prompts: int = 6, tokens: int = 160, draft_vocab: int = 8192,
-            slice_run: str = "", cache_dir: str = "data/cache/feature") -> dict:
-    """The agreement report of the drafter in ``draft`` against the target its record names."""
+            slice_run: str = "", cache_dir: str = "data/cache/feature",
+            window: tuple[int, int] | None = None) -> dict:
+    """The agreement report of the drafter in ``draft`` against the target its record names (its head seeing a
+    (sink, window) view of its entries when ``window`` is given)."""
     verifier = trained_verifier(draft)
     require(not slice_run or has_checkpoint(Path(slice_run)), f"no slice drafter in {slice_run}: pass a BudgetDraft "
                                                               "run folder (train-drafter --kind slice) or leave --slice out")
     target = load_model(verifier)
     head = load_feature_head(draft, target).eval()
     report = agreement_report(head, verifier, model_tokenizer(verifier), cache_dir, prompts, context, tokens,
-                              draft_vocab, slice_run)
+                              draft_vocab, slice_run, window=window)
     return {"bench": "agreement", "draft": draft, "model": verifier, "context": context, "prompts": prompts,
-            "new_tokens": tokens, "draft_vocab": draft_vocab, "threads": torch.get_num_threads(), "report": report}
+            "new_tokens": tokens, "draft_vocab": draft_vocab, **({} if window is None else {"head_window": window}),
+            "threads": torch.get_num_threads(), "report": report}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192, help="also the head restricted to N tokens (0: not)")
     parser.add_argument("--slice", default="", help="a slice drafter's run folder, measured on the same positions")
     parser.add_argument("--cache-dir", default="data/cache/feature", help="where the continuations are cached")
+    parser.add_argument("--head-window", type=int, nargs=2, metavar=("SINK", "WINDOW"), default=None,
+                        help="the head sees its first SINK entries and its WINDOW newest (a streaming cache's view)")
     parser.add_argument("--record", default="", metavar="PATH.json", help="also write a results record")
     args = parser.parse_args(argv)
     require(not args.record or args.record.endswith(".json"), f"--record takes a .json path, got {args.record!r}")
@@ -63,9 +70,12 @@ def main(argv: list[str] | None = None) -> None:
     require(args.context >= 3 and args.prompts >= 1 and args.tokens >= longest + 2,
             f"--context >= 3, --prompts >= 1 and --tokens >= {longest + 2} (the longest simulated round drafts "
             f"{longest})")
+    window = None if args.head_window is None else tuple(args.head_window)
+    require(window is None or (window[0] >= 0 and window[1] >= 1),
+            f"--head-window takes SINK >= 0 and WINDOW >= 1 entries, got {args.head_window}")
     started = provenance()
     result = measure(args.draft, args.context, args.prompts, args.tokens, args.draft_vocab, args.slice,
-                     args.cache_dir)
+                     args.cache_dir, window)
     report = result["report"]
     print(f"first draft = the target's greedy token: {report['first_draft']:.1%} of {report['positions']} positions "
           f"({report['prompts']} prompts of {report['prompt_len']} tokens); target's own top-1 probability "

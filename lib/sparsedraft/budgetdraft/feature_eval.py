@@ -256,10 +256,11 @@ def lookup_first_choice(head_matches: torch.Tensor, head_first: torch.Tensor, he
 
 @torch.no_grad()
 def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tensor | None = None,
-                        gammas: Sequence[int] = GAMMAS) -> dict[str, Any]:
+                        gammas: Sequence[int] = GAMMAS, window: tuple[int, int] | None = None) -> dict[str, Any]:
     """(b) ``first_draft`` and (c) per gamma ``accepted_per_round`` / ``tokens_per_round`` (accepted + the
     target's own token), for the full head (and ``*_vocab`` for the restricted head over ``ids``); the same two
-    for prompt lookup alone (``lookup``) and for lookup first with the head (``lookup_first``)."""
+    for prompt lookup alone (``lookup``) and for lookup first with the head (``lookup_first``). ``window``
+    (sink, window): the head sees its entries as a StreamingLLM cache of that size would show them."""
     require(len(gammas) >= 1 and min(gammas) >= 1, f"gammas must be >= 1, got {list(gammas)}")
     device, top = head.device, max(gammas)
     heads = {"": TokenHead(head, None)}
@@ -279,7 +280,7 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         tokens = data.tokens[row:row + 1].to(device)
         t = tokens.shape[1]
         starts = torch.arange(length - 1, t - top - 1, device=device)  # rounds whose gamma drafts all have a token
-        outs, _ = unroll(head, data.features[row:row + 1].to(device).float(), tokens, starts, top - 1)
+        outs, _ = unroll(head, data.features[row:row + 1].to(device).float(), tokens, starts, top - 1, window=window)
         true = head.top(data.features[row:row + 1, length:t - 1]).to(device).float()  # the target's before them
         confidence.append(heads[""].logits(true).float().softmax(-1).amax(-1).flatten())
         entries = torch.arange(length - 1, t - 2)  # every first draft's entry; the chain starts lead them
@@ -370,18 +371,20 @@ def slice_first_draft(drafter: Transformer, data: Continuations) -> float:
 
 def agreement_report(head: FeatureHead, target_id: str, tokenizer: Tokenizer, cache_dir: str | Path,
                      prompts: int, context: int, new_tokens: int, draft_vocab: int = 0,
-                     slice_run: str | Path = "", compute: bool = True) -> dict[str, Any]:
+                     slice_run: str | Path = "", compute: bool = True,
+                     window: tuple[int, int] | None = None) -> dict[str, Any]:
     """(b) and (c) of ``head`` on ``prompts`` greedy continuations of ``new_tokens`` after held-out prompts of
     ``context`` tokens (cached in ``cache_dir``), full head and, with ``draft_vocab``, the restricted one; with
     ``slice_run``, (b) for the slice drafter there too (the report says so when that folder holds none). What a
-    training run's end-of-run check and ``bench.agreement`` both measure, so the two figures compare."""
+    training run's end-of-run check and ``bench.agreement`` both measure, so the two figures compare. ``window``
+    (sink, window): the head's view of its own entries, as :func:`continuation_report` takes it."""
     from ..speculative.loading import has_checkpoint, load_drafter
     from ..speculative.vocab import frequent_tokens
     target = head.target
     data = greedy_continuations(target, target_id, tokenizer, cache_dir, prompts, context, new_tokens, compute,
                                 head.fuse_layers)
     ids = frequent_tokens(tokenizer, draft_vocab, target.cfg.vocab_size) if draft_vocab else None
-    report = continuation_report(head, data, ids)
+    report = continuation_report(head, data, ids, window=window)
     if slice_run and has_checkpoint(Path(slice_run)):
         drafter = load_drafter(slice_run, dtype=target.dtype, device=target.device)
         report["slice_first_draft"] = {"run": str(slice_run), "first_draft": slice_first_draft(drafter, data)}

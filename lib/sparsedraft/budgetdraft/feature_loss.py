@@ -50,10 +50,16 @@ class UnrollView(KVCache):
     ``starts`` [n]: chain starts (entry positions). Forward 0 takes every entry of the window at positions
     ``0..T-1``; forward ``j`` takes one entry per chain at ``starts + j``. Keys/values of every forward are
     kept per layer (``keys[step][layer]`` [B, kv_heads, T or n, head_dim]), graph included.
+
+    ``window`` (with ``sink``): each entry sees only the first ``sink`` entries and the ``window`` newest
+    up to itself, as the head's StreamingLLM cache at true positions (``StreamingCache(positions="true")``)
+    shows them at inference, draft steps included (while a chain's steps fit the window).
     """
 
-    def __init__(self, starts: torch.Tensor):
-        self.starts = starts
+    def __init__(self, starts: torch.Tensor, sink: int = 0, window: int | None = None):
+        require(window is None or (window >= 1 and sink >= 0),
+                f"an UnrollView's window is >= 1 entries and its sink >= 0, got {window} and {sink}")
+        self.starts, self.sink, self.window = starts, sink, window
         self.keys: list[dict[int, torch.Tensor]] = []
         self.values: list[dict[int, torch.Tensor]] = []
         self._k: dict[int, torch.Tensor] = {}
@@ -72,16 +78,26 @@ class UnrollView(KVCache):
             t = positions.shape[1]
             require(bool((positions == torch.arange(t, device=device)).all()),
                     "an UnrollView's first forward takes the window's entries at positions 0..T-1")
-            self._width, self._mask = t, CAUSAL
+            entries = torch.arange(t, device=device)
+            self._width = t
+            self._mask = CAUSAL if self.window is None else self._seen(entries, entries)[None, None]
         else:
             n = self.starts.numel()
             require(positions.shape[1] == n and bool((positions == self.starts + j).all()),
                     f"forward {j} of an UnrollView takes one entry per chain, at starts + {j}")
-            past = torch.arange(self._width, device=device)[None] <= self.starts[:, None]  # [n, T]
+            entries = torch.arange(self._width, device=device)
+            past = self._seen(self.starts + j, entries) & (entries[None] <= self.starts[:, None])  # [n, T]
             own = torch.eye(n, dtype=torch.bool, device=device).repeat(1, j)  # its chain's steps 1..j
             self._mask = torch.cat((past, own), dim=1)[None, None]
         self._k, self._v = {}, {}
         return positions
+
+    def _seen(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """bool [len(queries), len(keys)]: which entries each query entry attends to (see the class)."""
+        seen = keys[None] <= queries[:, None]
+        if self.window is not None:
+            seen &= (keys[None] > queries[:, None] - self.window) | (keys[None] < self.sink)
+        return seen
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         self._k[layer], self._v[layer] = k, v
@@ -104,14 +120,16 @@ class UnrollView(KVCache):
 
 
 def unroll(head: FeatureHead, features: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, steps: int,
-           noise: torch.Tensor | None = None, capture: Capture | None = None) -> tuple[list[torch.Tensor], UnrollView]:
+           noise: torch.Tensor | None = None, capture: Capture | None = None,
+           window: tuple[int, int] | None = None) -> tuple[list[torch.Tensor], UnrollView]:
     """Predicted features of forward 0 ([B, T-1, H], entries 0..T-2) and of draft steps 1..``steps`` ([B, n, H],
     entries ``starts + j``), for ``features`` [B, T, H] and ``tokens`` [B, T]; ``noise`` is added to forward 0's
-    input features. Needs ``starts + steps <= T - 2``."""
+    input features; ``window`` (sink, window) limits what each entry sees (:class:`UnrollView`). Needs
+    ``starts + steps <= T - 2``."""
     t = tokens.shape[1]
     last = int(starts.max()) if starts.numel() else -1
     require(last + steps <= t - 2, f"a chain starting at {last} needs {steps} steps inside a window of {t} tokens")
-    view = UnrollView(starts)
+    view = UnrollView(starts) if window is None else UnrollView(starts, *window)
     inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
     outs = [head(inputs, tokens[:, 1:], torch.arange(t - 1, device=tokens.device), view, capture)]
     previous = outs[0][:, starts]
