@@ -9,8 +9,8 @@ drafter that stops on its own confidence (``draft_confidence``: drafts and kept 
 rounds for prompt lookup alone and for lookup first with the head (``draft_lookup``),
 that agreement split by the target's own top-1 probability at each position (how much of the gap is the
 target's uncertainty), and, given ``--slice``, the slice drafter's first draft on the same positions. With
-``--head-window SINK WINDOW`` the head sees its own entries as a StreamingLLM cache of that size shows them
-(``FeatureDrafter.create(cache="streaming")``), instead of all of them.
+``--head-window SINK WINDOW`` the head sees its own entries as a StreamingLLM cache of that size at true
+positions shows them (``FeatureDrafter.create(cache="streaming", positions="true")``), instead of all of them.
 
 Not a test: ``python -m sparsedraft.bench.agreement --draft data/drafters/feature --slice outputs/budgetdraft/default
 --record docs/results/feature-agreement-4k.json``.

@@ -44,7 +44,7 @@ def kernels_at(rev: str) -> tuple[ModuleType, str]:
     folder = kernels.cache_root() / f"at-{sha[:12]}"
     folder.mkdir(parents=True, exist_ok=True)
     for path in (*kernels.SOURCES, *kernels.HEADERS):
-        name = path.relative_to(root).as_posix()
+        name = path.resolve().relative_to(root.resolve()).as_posix()
         shown = _git(root, "show", f"{sha}:{name}")
         require(shown.returncode == 0, f"--against {rev!r}: commit {sha[:12]} has no {name}, so its kernels are "
                                        "not this build's files; pick a later commit")

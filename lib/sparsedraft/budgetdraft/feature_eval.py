@@ -260,7 +260,7 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
     """(b) ``first_draft`` and (c) per gamma ``accepted_per_round`` / ``tokens_per_round`` (accepted + the
     target's own token), for the full head (and ``*_vocab`` for the restricted head over ``ids``); the same two
     for prompt lookup alone (``lookup``) and for lookup first with the head (``lookup_first``). ``window``
-    (sink, window): the head sees its entries as a StreamingLLM cache of that size would show them."""
+    (sink, window): the head sees its entries as a StreamingLLM cache of that size at true positions shows them."""
     require(len(gammas) >= 1 and min(gammas) >= 1, f"gammas must be >= 1, got {list(gammas)}")
     device, top = head.device, max(gammas)
     heads = {"": TokenHead(head, None)}
