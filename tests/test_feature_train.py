@@ -400,6 +400,47 @@ def test_the_agreement_bench_measures_a_folder_as_the_training_run_would(tmp_pat
         load_feature_head(folder, target).eval(), data, window=(2, 8))["first_draft"]
     with pytest.raises(SparsedraftError, match="--head-window takes SINK >= 0 and WINDOW >= 1"):
         agreement.main(["--draft", str(folder), "--head-window", "2", "0"])
+    agreement.main(["--draft", str(folder), "--context", "40", "--prompts", "2", "--tokens", "10", "--draft-vocab",
+                    "0", "--cache-dir", str(tmp_path / "cont"), "--behind", "30"])
+    behind = json.loads(capsys.readouterr().out.splitlines()[-1])["report"]["behind"]
+    assert behind["prefix"] == 30 and behind["positions"] == 2 * 9
+    assert all(0 <= behind[k] <= 1 for k in ("first_draft_alone", "first_draft_behind", "target_argmax_unchanged"))
+    with pytest.raises(SparsedraftError, match="--behind takes a prefix length"):
+        agreement.main(["--draft", str(folder), "--behind", "-1"])
+
+
+def test_the_context_check_reads_the_same_text_alone_whatever_the_prefix():
+    """feature_context: the 'alone' reading ignores the prefix (two prefixes, the same figure), the 'behind' one
+    reads the continuation after it, and each scores the drafts on the continued positions against the target's
+    argmax in that reading."""
+    from sparsedraft.budgetdraft.feature_context import first_draft_behind
+    from sparsedraft.budgetdraft.feature_data import teacher_of
+    from sparsedraft.budgetdraft.feature_eval import Continuations
+    target = tiny_model("llama")
+    head = random_head(target, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(target.cfg.vocab_size, (2, 30), generator=gen)
+    data = Continuations(tokens, torch.zeros(2, 30, target.cfg.hidden_size), prompt_len=10)
+    prefixes = torch.randint(target.cfg.vocab_size, (2, 20), generator=gen)
+    a = first_draft_behind(head, data, prefixes)
+    b = first_draft_behind(head, data, torch.randint(target.cfg.vocab_size, (2, 25), generator=gen))
+    assert a["first_draft_alone"] == b["first_draft_alone"] and a["positions"] == 2 * 19
+
+    def by_hand(before):  # entry e drafts token e + 2, scored against the target's argmax there
+        hits = []
+        with torch.no_grad():
+            for row, prefix in zip(tokens, before):
+                seq = torch.cat((prefix, row))
+                start = prefix.numel() + 10
+                teacher = teacher_of(target, seq)
+                outs, _ = unroll(head, teacher["features"][None].float(), seq[None], torch.zeros(0, dtype=torch.long), 0)
+                hits.append(TokenHead(head, None).predict(outs[0][:, start - 1:seq.numel() - 2])[0]
+                            == teacher["greedy"][start:-1])
+        return float(torch.cat(hits).float().mean())
+    assert a["first_draft_alone"] == pytest.approx(by_hand(prefixes[:, :0]))
+    assert a["first_draft_behind"] == pytest.approx(by_hand(prefixes))
+    with pytest.raises(SparsedraftError, match="one prefix of >= 1 tokens per continuation"):
+        first_draft_behind(head, data, torch.zeros(1, 5, dtype=torch.long))
 
 
 def test_a_windowed_unroll_is_what_the_head_computes_over_a_streaming_cache():

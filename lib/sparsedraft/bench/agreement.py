@@ -10,7 +10,10 @@ rounds for prompt lookup alone and for lookup first with the head (``draft_looku
 that agreement split by the target's own top-1 probability at each position (how much of the gap is the
 target's uncertainty), and, given ``--slice``, the slice drafter's first draft on the same positions. With
 ``--head-window SINK WINDOW`` the head sees its own entries as a StreamingLLM cache of that size at true
-positions shows them (``FeatureDrafter.create(cache="streaming", positions="true")``), instead of all of them.
+positions shows them (``FeatureDrafter.create(cache="streaming", positions="true")``), instead of all of them. With ``--behind N``
+it also reads each continuation behind N tokens of train-split essay text and reports the head's first draft
+on the same positions alone and behind it (``budgetdraft.feature_context``): the context's share of a
+shortfall, with the text held fixed.
 
 Not a test: ``python -m sparsedraft.bench.agreement --draft data/drafters/feature --slice outputs/budgetdraft/default
 --record docs/results/feature-agreement-4k.json``.
@@ -23,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ..budgetdraft.feature_eval import GAMMAS, agreement_report
-from ..engine.data import model_tokenizer
+from ..budgetdraft.feature_context import first_draft_behind
+from ..budgetdraft.feature_eval import GAMMAS, agreement_report, greedy_continuations
+from ..engine.data import model_tokenizer, prompt_tokens
 from ..engine.machine import provenance
 from ..engine.weights import load_model
 from ..errors import require
@@ -35,19 +39,32 @@ from .record import finish_module
 
 def measure(draft: str, context: int = 4096, prompts: int = 6, tokens: int = 160, draft_vocab: int = 8192,
             slice_run: str = "", cache_dir: str = "data/cache/feature",
-            window: tuple[int, int] | None = None) -> dict:
+            window: tuple[int, int] | None = None, prefixes: torch.Tensor | None = None) -> dict:
     """The agreement report of the drafter in ``draft`` against the target its record names (its head seeing a
-    (sink, window) view of its entries when ``window`` is given)."""
+    (sink, window) view of its entries when ``window`` is given; with ``prefixes`` (:func:`behind_prefixes`),
+    also ``report["behind"]``: the first draft on the same continuations read behind them)."""
     verifier = trained_verifier(draft)
     require(not slice_run or has_checkpoint(Path(slice_run)), f"no slice drafter in {slice_run}: pass a BudgetDraft "
                                                               "run folder (train-drafter --kind slice) or leave --slice out")
     target = load_model(verifier)
     head = load_feature_head(draft, target).eval()
-    report = agreement_report(head, verifier, model_tokenizer(verifier), cache_dir, prompts, context, tokens,
-                              draft_vocab, slice_run, window=window)
+    tokenizer = model_tokenizer(verifier)
+    report = agreement_report(head, verifier, tokenizer, cache_dir, prompts, context, tokens, draft_vocab,
+                              slice_run, window=window)
+    if prefixes is not None:
+        data = greedy_continuations(target, verifier, tokenizer, cache_dir, prompts, context, tokens, False,
+                                    head.fuse_layers)
+        report["behind"] = first_draft_behind(head, data, prefixes, window)
     return {"bench": "agreement", "draft": draft, "model": verifier, "context": context, "prompts": prompts,
             "new_tokens": tokens, "draft_vocab": draft_vocab, **({} if window is None else {"head_window": window}),
             "threads": torch.get_num_threads(), "report": report}
+
+
+def behind_prefixes(draft: str, n: int, prompts: int) -> torch.Tensor:
+    """[prompts, n]: train-split essay text to read before each held-out continuation (consecutive windows; the
+    held-out prompts come from another split, so no prefix holds its continuation's text)."""
+    tokenizer = model_tokenizer(trained_verifier(draft))
+    return torch.stack([prompt_tokens(tokenizer, n, split="train", variant=r) for r in range(prompts)])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192, help="also the head restricted to N tokens (0: not)")
     parser.add_argument("--slice", default="", help="a slice drafter's run folder, measured on the same positions")
     parser.add_argument("--cache-dir", default="data/cache/feature", help="where the continuations are cached")
+    parser.add_argument("--behind", type=int, default=0, metavar="N",
+                        help="also read each continuation behind N tokens of train-split text: the head's first "
+                             "draft on the same positions, alone and behind (two target forwards per prompt)")
     parser.add_argument("--head-window", type=int, nargs=2, metavar=("SINK", "WINDOW"), default=None,
                         help="the head sees its first SINK entries and its WINDOW newest (a streaming cache's view)")
     parser.add_argument("--record", default="", metavar="PATH.json", help="also write a results record")
@@ -73,9 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     window = None if args.head_window is None else tuple(args.head_window)
     require(window is None or (window[0] >= 0 and window[1] >= 1),
             f"--head-window takes SINK >= 0 and WINDOW >= 1 entries, got {args.head_window}")
+    require(args.behind >= 0, f"--behind takes a prefix length in tokens (0: none), got {args.behind}")
+    prefixes = behind_prefixes(args.draft, args.behind, args.prompts) if args.behind else None  # before the model
     started = provenance()
     result = measure(args.draft, args.context, args.prompts, args.tokens, args.draft_vocab, args.slice,
-                     args.cache_dir, window)
+                     args.cache_dir, window, prefixes)
     report = result["report"]
     print(f"first draft = the target's greedy token: {report['first_draft']:.1%} of {report['positions']} positions "
           f"({report['prompts']} prompts of {report['prompt_len']} tokens); target's own top-1 probability "
@@ -105,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
                               for g, r in row["gamma"].items())
             print(f"lookup first, {label}, draft_lookup {c}: first draft {row['first_draft']:.1%}, lookup drafts at "
                   f"{row['lookup_starts']:.0%} of starts; kept of drafted per round: {cells}")
+    if "behind" in report:
+        b = report["behind"]
+        print(f"the same {b['positions']} positions behind {b['prefix']} tokens of other text: first draft "
+              f"{b['first_draft_behind']:.1%}, alone {b['first_draft_alone']:.1%} (each against the target's argmax "
+              f"in that reading; the prefix left it unchanged at {b['target_argmax_unchanged']:.1%})")
     if "slice_first_draft" in report:
         print(f"slice drafter {args.slice}: first draft {report['slice_first_draft']['first_draft']:.1%}")
     finish_module(args.record, 'agreement', argv, result, started)
