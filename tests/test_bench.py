@@ -301,7 +301,8 @@ def test_kernels_at_head_run_beside_the_loaded_ones_with_their_bits():
         pytest.skip("the C++ kernels do not build here")
     against = kernels_at("HEAD")
     rows = kernel_timing.time_step(layers=2, context=300, t=1, dtype="fp32", warmup=0, repeats=1, against=against)
-    assert [r["method"] for r in rows] == ["sdpa", "kernel", "kernel, rows as lanes", f"kernel at {against[1][:10]}"]
+    label = kernel_timing.then_label(against[1])
+    assert [r["method"] for r in rows] == ["sdpa", "kernel", "kernel, rows as lanes", label]
     assert all(r["same_bits_as_against"] for r in rows)
     linear = kernel_timing.time_linear(2, layers=1, vocab=64, warmup=0, repeats=1, against=against)
-    assert linear[-1]["method"] == f"kernel at {against[1][:10]}" and linear[-1]["same_bits_as_against"]
+    assert linear[-1]["method"] == label and linear[-1]["same_bits_as_against"]

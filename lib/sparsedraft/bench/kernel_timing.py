@@ -86,7 +86,7 @@ def time_step(layers: int = 30, heads: int = 9, kv: int = 3, d: int = 64, contex
         def kernel_then():
             return [old.attend(qg, k, v, scale, t, KEY_ROWS) for k, v in caches]
         same = all(torch.equal(a, b) for a, b in zip(kernel(), _called(kernel_then, sha, "attend")))
-        paths[f"kernel at {sha[:10]}"] = timed(kernel_then)
+        paths[then_label(sha)] = timed(kernel_then)
     if DTYPES[dtype] == torch.bfloat16 and on_tiles():
         paths["kernel, no tiles"] = timed(vector_code)
     runs = interleaved_runs(paths, warmup, repeats)
@@ -98,6 +98,11 @@ def time_step(layers: int = 30, heads: int = 9, kv: int = 3, d: int = 64, contex
                      "kv_gb_s": round(kv_bytes / ms / 1e6, 1), "kv_mb": round(kv_bytes / 1e6, 1),
                      "max_abs_diff": diff, **({} if same is None else {"same_bits_as_against": same})})
     return rows
+
+
+def then_label(sha: str) -> str:
+    """The method name of the kernels at commit ``sha`` in a table built with ``--against``."""
+    return f"kernel at {sha[:10]}"
 
 
 def _called(fn, sha: str, what: str):
@@ -154,7 +159,7 @@ def time_linear(rows: int, layers: int = 30, vocab: int = 49152, warmup: int = 2
         x, w = xs[weights[0].shape[1]], weights[0]
         with torch.inference_mode():
             same = torch.equal(linear(x, w), _called(lambda: old.linear(x, w, no_bias), sha, "linear"))
-        paths[f"kernel at {sha[:10]}"] = run(lambda x, w: old.linear(x, w, no_bias))
+        paths[then_label(sha)] = run(lambda x, w: old.linear(x, w, no_bias))
     with torch.inference_mode():
         runs = interleaved_runs(paths, warmup, repeats)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
