@@ -370,7 +370,7 @@ def test_agreement_summary_reads_the_committed_drafters_record():
     assert empty["best_gamma"] is None and empty["first_draft_continuations"] is None
 
 
-def test_the_agreement_bench_measures_a_folder_as_the_training_run_would(tmp_path, capsys):
+def test_the_agreement_bench_measures_a_folder_as_the_training_run_would(tmp_path, capsys, monkeypatch):
     """bench.agreement on a trained folder: the same continuation report the end-of-run check computes, written
     as a results record that the README's loader accepts."""
     from sparsedraft.bench import agreement
@@ -407,6 +407,9 @@ def test_the_agreement_bench_measures_a_folder_as_the_training_run_would(tmp_pat
     assert all(0 <= behind[k] <= 1 for k in ("first_draft_alone", "first_draft_behind", "target_argmax_unchanged"))
     with pytest.raises(SparsedraftError, match="--behind takes a prefix length"):
         agreement.main(["--draft", str(folder), "--behind", "-1"])
+    monkeypatch.setattr(agreement, "load_model", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(SparsedraftError, match=r"one prefix per prompt: \[2, N\]"):
+        agreement.measure(str(folder), 40, 2, 10, 0, "", str(tmp_path / "cont"), None, torch.zeros(3, 5, dtype=torch.long))
 
 
 def test_the_context_check_reads_the_same_text_alone_whatever_the_prefix():

@@ -46,6 +46,9 @@ def measure(draft: str, context: int = 4096, prompts: int = 6, tokens: int = 160
     verifier = trained_verifier(draft)
     require(not slice_run or has_checkpoint(Path(slice_run)), f"no slice drafter in {slice_run}: pass a BudgetDraft "
                                                               "run folder (train-drafter --kind slice) or leave --slice out")
+    require(prefixes is None or (prefixes.dim() == 2 and prefixes.shape[0] == prompts),
+            lambda: f"one prefix per prompt: [{prompts}, N], got {list(prefixes.shape)}; make them with "
+                    "behind_prefixes(draft, N, prompts)")
     target = load_model(verifier)
     head = load_feature_head(draft, target).eval()
     tokenizer = model_tokenizer(verifier)
