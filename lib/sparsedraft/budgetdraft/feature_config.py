@@ -71,6 +71,17 @@ class FeatureTrainConfig:
     depth: int = field(default=1, metadata={
         "help": "decoder layers of the head (EAGLE: 1); a deeper head trained from a shallower one (--head-init) "
                 "starts as it, its new layers adding nothing until they learn to"})
+    head_window: tuple[int, ...] = field(default=(), metadata={
+        "help": "SINK WINDOW: the head trains seeing its own entries as its StreamingLLM cache at true positions "
+                "would show them (the first SINK and the WINDOW newest), as it drafts with draft_cache='streaming', "
+                "draft_positions='true'; none: every entry (its full cache)"})
+    behind: int = field(default=0, metadata={
+        "help": "also read the first behind_sequences sampled continuations behind this many tokens of "
+                "train-split text (LongSpec's long-context windows, kept to what the head window shows: the "
+                "sink, then the WINDOW newest prefix tokens, then the continuation); 0: none. Needs head_window"})
+    behind_sequences: int = field(default=0, metadata={
+        "help": "sampled continuations (of the first set) that are also read behind a prefix, one target "
+                "forward over each continuation behind a prefix computed once per prefix"})
     unroll: int = field(default=3, metadata={"help": "draft steps of the training-time test after the first"})
     chains: int = field(default=256, metadata={"help": "chain starts per window that the unroll follows"})
     step_decay: float = field(default=0.8, metadata={"help": "weight of unroll step j is step_decay ** j"})
@@ -142,6 +153,21 @@ class FeatureTrainConfig:
                 f"fuse_layers must be distinct layer indices >= 0, ascending; got {list(self.fuse_layers)}")
         require(isinstance(self.depth, int) and self.depth >= 1,
                 f"depth must be >= 1 decoder layers, got {self.depth!r}")
+        require(len(self.head_window) in (0, 2) and all(n >= 0 for n in self.head_window)
+                and (not self.head_window or self.head_window[1] >= 1),
+                f"head_window is SINK >= 0 and WINDOW >= 1 entries (or empty: all entries), got "
+                f"{list(self.head_window)}")
+        require(self.behind >= 0 and self.behind_sequences >= 0,
+                f"behind and behind_sequences must be >= 0, got {self.behind} and {self.behind_sequences}")
+        require(bool(self.behind) == bool(self.behind_sequences),
+                f"behind ({self.behind} tokens) and behind_sequences ({self.behind_sequences}) go together: give "
+                "both or neither")
+        require(not self.behind or (self.head_window and self.behind > sum(self.head_window)),
+                f"reading continuations behind a prefix of {self.behind} tokens keeps what the head's window shows "
+                f"of it: give head_window SINK WINDOW with SINK + WINDOW < behind (got {list(self.head_window)})")
+        require(self.behind_sequences <= self.sampled_sequences,
+                f"behind_sequences ({self.behind_sequences}) reads sampled continuations behind a prefix: at most "
+                f"sampled_sequences ({self.sampled_sequences})")
         require(len(self.budgets) >= 1, "budgets must name at least one KV budget, e.g. 256 512 1024 2048")
         for budget in self.budgets:
             check_budget(budget, self.chunk_size)
@@ -167,7 +193,8 @@ class FeatureTrainConfig:
     def shaping(self) -> dict[str, Any]:
         """Fields that decide the weights after a given step (``steps`` is left out so a run can be extended)."""
         shaping = {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
-        for name, default in (("fuse_layers", ()), ("depth", 1)):
+        for name, default in (("fuse_layers", ()), ("depth", 1), ("head_window", ()), ("behind", 0),
+                              ("behind_sequences", 0)):
             if getattr(self, name) == default:  # so runs from before the field keep their names and checkpoints
                 del shaping[name]
         return shaping
@@ -181,6 +208,11 @@ class FeatureTrainConfig:
     def run_dir(self) -> Path:
         return Path(self.out_dir) if self.out_dir else Path("outputs/feature-drafter") / self.run_name
 
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """(sink, window) of the head's view of its entries in training, or None (all of them)."""
+        return (self.head_window[0], self.head_window[1]) if self.head_window else None
+
     def replace(self, **changes: Any) -> "FeatureTrainConfig":
         return dataclasses.replace(self, **changes)
 
@@ -192,4 +224,4 @@ class FeatureTrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         require(not unknown, f"unknown feature training fields {unknown}; known fields are {sorted(known)}")
-        return cls(**{k: tuple(v) if k in ("budgets", "fuse_layers") else v for k, v in data.items()})
+        return cls(**{k: tuple(v) if k in ("budgets", "fuse_layers", "head_window") else v for k, v in data.items()})

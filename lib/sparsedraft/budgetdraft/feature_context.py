@@ -8,17 +8,32 @@ positions of the same tokens both times, each against the target's own next-toke
 (the prefix changes a few of them). So whatever differs is the context: the head's attention over more
 entries (``window`` limits it, as a streaming cache would) and the target's features behind a long prompt.
 ``bench.agreement --behind N`` reports it.
+
+The same reading makes training windows (``train-drafter --behind N --behind-sequences K --head-window SINK
+WINDOW``): a head trained on windows of at most 1K-2K tokens copies worse behind a long prompt, and reading a
+whole long prefix through the head at every step would cost ~5x a step. A head that drafts through a
+StreamingLLM cache at true positions never sees more than its sink and window of that prefix, so a window
+keeps only those entries (:func:`behind_teacher`), and :class:`~.feature_loss.UnrollView` runs them at their
+true positions: the target's features behind the long prefix, at the cost of a short window.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
+from ..engine.cache import StaticCache
+from ..engine.data import Tokenizer, prompt_tokens
+from ..engine.model import Transformer
 from ..errors import require
+from ..progress import bar
 from ..speculative.feature import FeatureHead
-from .feature_data import teacher_of
+from .feature_data import FEATURE_DATA_VERSION, Window, digest, layers_key, save_tensors, teacher_of, token_hash
 from .feature_eval import Continuations
 from .feature_loss import TokenHead, unroll
 
@@ -52,3 +67,68 @@ def first_draft_behind(head: FeatureHead, data: Continuations, prefixes: torch.T
             "first_draft_alone": float(torch.cat(hits["alone"]).mean()),
             "first_draft_behind": float(torch.cat(hits["behind"]).mean()),
             "target_argmax_unchanged": float(torch.cat(unchanged).mean())}
+
+
+BEHIND_PREFIXES = 8  # distinct prefixes that training windows are read behind (each computed once)
+BEHIND_VARIANT = 16  # the first prefix's window of the train split: bench.agreement --behind reads 0..15
+
+
+def training_prefixes(tokenizer: Tokenizer, n: int) -> torch.Tensor:
+    """[BEHIND_PREFIXES, n] train-split text that training continuations are read behind: windows other than
+    the ones ``bench.agreement --behind`` reads behind held-out text (with up to 16 prompts), so that check
+    stays clean."""
+    return torch.stack([prompt_tokens(tokenizer, n, split="train", variant=BEHIND_VARIANT + i)
+                        for i in range(BEHIND_PREFIXES)])
+
+
+def behind_teacher(target: Transformer, target_id: str, texts: list[Window], prefixes: torch.Tensor, sink: int,
+                   window: int, cache_dir: str | Path, compute: bool = True, progress: bool = False,
+                   fuse_layers: tuple[int, ...] = ()) -> list[Window]:
+    """Each of ``texts`` read behind prefix ``i % len(prefixes)``, kept as a head whose StreamingLLM cache holds
+    ``sink`` + ``window`` entries sees it: the prefix's first ``sink + 1`` tokens (the last only to be entry
+    ``sink - 1``'s next token: no query sees its entry), its ``window`` newest, then the text, at their true
+    positions, with the target's teacher in that reading. One forward over each prefix, kept in a cache
+    that each text then extends and rolls back: a text costs one forward of its own length. Cached on disk, one
+    file per prefix."""
+    rows, n = len(prefixes), prefixes.shape[1]
+    require(n > sink + window, f"a prefix of {n} tokens leaves no gap before a sink of {sink} and a window of "
+                               f"{window}; read behind more than {sink + window} tokens")
+    out: list[Window | None] = [None] * len(texts)
+    for p in bar(range(rows), desc="behind a prefix", unit="prefix", show=progress):
+        mine = list(range(p, len(texts), rows))
+        if not mine:
+            continue
+        tokens = torch.stack([texts[i].tokens for i in mine])
+        key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
+               "dtype": str(target.dtype), "prefix": token_hash(prefixes[p]), "texts": token_hash(tokens), "sink": sink,
+               "window": window, **layers_key(fuse_layers)}
+        path = Path(cache_dir) / f"behind-{digest(key)}.safetensors"
+        if not path.is_file():
+            require(compute, f"the teacher of continuations read behind a prefix is not cached (expected {path}); "
+                             "run once without --no-teacher")
+            save_tensors(_read_behind(target, prefixes[p], tokens, sink, window, fuse_layers), path,
+                         {"key": json.dumps(key, sort_keys=True, default=str)})
+        stored = load_file(str(path))
+        for row, i in enumerate(mine):
+            out[i] = Window(stored["tokens"][row], stored["features"][row], stored["greedy"][row],
+                            stored["top_ids"][row], stored["top_probs"][row], "behind", stored["positions"])
+    return out  # type: ignore[return-value]
+
+
+@torch.inference_mode()
+def _read_behind(target: Transformer, prefix: torch.Tensor, texts: torch.Tensor, sink: int, window: int,
+                 fuse_layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    n = prefix.numel()
+    cache = StaticCache(target.cfg, n + texts.shape[1], 1, target.dtype, target.device)
+
+    def read(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"tokens": tokens.to(torch.int64), **teacher_of(target, tokens, fuse_layers, cache)}
+
+    kept = torch.cat((torch.arange(sink + 1), torch.arange(n - window, n)))
+    head = {k: v[kept] for k, v in read(prefix).items()}
+    rows = []
+    for text in texts:
+        cache.rollback(cache.length - n)
+        rows.append({k: torch.cat((head[k], v)) for k, v in read(text).items()})
+    positions = torch.cat((kept, n + torch.arange(texts.shape[1])))
+    return {**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, "positions": positions}

@@ -66,6 +66,8 @@ class Window:
     top_ids: torch.Tensor  # [T, TOP_K] int64
     top_probs: torch.Tensor  # [T, TOP_K] fp16
     source: str = ""
+    positions: torch.Tensor | None = None  # [T] int64 true positions, for a window read behind a prefix
+    # (feature_context.behind_teacher: a sink, a gap, the newest entries); None: 0..T-1
 
 
 def digest(payload: Any) -> str:
@@ -166,7 +168,7 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
                                   f"{corpus.numel()} tokens; ask for fewer sampled_sequences or shorter prompts")
     prompts = torch.stack([corpus[i * stride:i * stride + prompt_len] for i in range(count)])
     key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
-           "dtype": str(target.dtype), "prompts": hashlib.sha256(prompts.numpy().tobytes()).hexdigest(),
+           "dtype": str(target.dtype), "prompts": token_hash(prompts),
            "new_tokens": new_tokens, "temperature": temperature, "seed": seed, "batch": batch, "linear": "gemm",
            **layers_key(fuse_layers)}
     path = Path(cache_dir) / f"sampled-{digest(key)}.safetensors"
@@ -195,15 +197,20 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
 
 
 @torch.inference_mode()
-def teacher_of(target: Transformer, tokens: torch.Tensor,
-               fuse_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
-    """One target forward over ``tokens`` [T]: features (after ``fuse_layers``' outputs), greedy tokens and
-    top-k probabilities (CPU)."""
+def teacher_of(target: Transformer, tokens: torch.Tensor, fuse_layers: tuple[int, ...] = (),
+               cache: StaticCache | None = None) -> dict[str, torch.Tensor]:
+    """One target forward over ``tokens`` [T] (after what ``cache`` holds, if given): features (after
+    ``fuse_layers``' outputs), greedy tokens and top-k probabilities (CPU)."""
     capture = Capture(layers=set(), hidden=True, hidden_layers=fuse_layers)
-    logits = target(tokens[None].to(target.device), capture=capture)[0].float()
+    logits = target(tokens[None].to(target.device), cache=cache, capture=capture)[0].float()
     probs, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
     return {"features": capture.features[0].to(torch.bfloat16).cpu(), "greedy": ids[:, 0].cpu(),
             "top_ids": ids.cpu(), "top_probs": probs.to(torch.float16).cpu()}
+
+
+def token_hash(tokens: torch.Tensor) -> str:
+    """What a cache key says of a token tensor."""
+    return hashlib.sha256(tokens.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
 def layers_key(fuse_layers: tuple[int, ...]) -> dict[str, Any]:
@@ -215,7 +222,7 @@ def layers_key(fuse_layers: tuple[int, ...]) -> dict[str, Any]:
 def window_file(cache_dir: str | Path, target_id: str, target: Transformer, tokens: torch.Tensor,
                 fuse_layers: tuple[int, ...] = ()) -> Path:
     key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
-           "dtype": str(target.dtype), "tokens": hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest(),
+           "dtype": str(target.dtype), "tokens": token_hash(tokens),
            **layers_key(fuse_layers)}
     return Path(cache_dir) / f"window-{digest(key)}.safetensors"
 

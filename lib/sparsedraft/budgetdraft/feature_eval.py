@@ -56,8 +56,9 @@ from ..errors import require
 from ..speculative.drafters import ngram_lookup
 from ..speculative.feature import FeatureHead
 from ..speculative.lookup_first import asks_model, overrides
-from .feature_data import FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, layers_key, save_tensors
-from .feature_loss import TokenHead, unroll
+from .feature_data import (FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, layers_key, save_tensors,
+                           token_hash)
+from .feature_loss import TokenHead, trained_from, unroll
 from .view import BudgetView, kept_prefix
 
 if TYPE_CHECKING:
@@ -95,20 +96,26 @@ FIT_WINDOWS = 16  # training windows per source that training_fit reads (evenly 
 
 @torch.no_grad()
 def training_fit(head: FeatureHead, windows: Sequence[Window], sampled_prompt: int,
-                 per_source: int = FIT_WINDOWS) -> dict[str, float]:
-    """(d): the share of entries whose first draft (full head, true features in) is the target's greedy token,
-    over up to ``per_source`` of the training ``windows`` of each source; a sampled window is scored from its
-    ``sampled_prompt``-th token on, the target's own text."""
+                 per_source: int = FIT_WINDOWS, window: tuple[int, int] | None = None) -> dict[str, float]:
+    """(d): the share of entries whose first draft (full head, true features in, the entries it trained
+    seeing: ``window``) is the target's greedy token, over up to ``per_source`` of the training ``windows`` of
+    each source; a sampled window is scored from its ``sampled_prompt``-th token on, the target's own text,
+    and one read behind a prefix from its prompt's on."""
     device, out = head.device, {}
     for source in dict.fromkeys(w.source for w in windows):
         mine = [w for w in windows if w.source == source]
         hits = total = 0
         for w in mine[::max(1, len(mine) // per_source)][:per_source]:
             tokens = w.tokens[None].to(device)
+            positions = None if w.positions is None else w.positions.to(device)
             outs, _ = unroll(head, w.features[None].to(device).float(), tokens,
-                             torch.zeros(0, dtype=torch.long, device=device), 0)
+                             torch.zeros(0, dtype=torch.long, device=device), 0, window=window, positions=positions)
             right = TokenHead(head, None).predict(outs[0])[0] == w.greedy[1:].to(device)
-            right = right[sampled_prompt - 1:] if source == "sampled" else right
+            if source == "behind":  # the prefix's sink and newest entries (what the window shows), then the text
+                require(window is not None, "a window read behind a prefix is scored through the head's window")
+                right = right[trained_from(w.positions) + window[1]:]
+            if source in ("sampled", "behind"):
+                right = right[sampled_prompt - 1:]
             hits, total = hits + int(right.sum()), total + right.numel()
         out[source] = hits / total
     return out
@@ -158,7 +165,7 @@ def greedy_continuations(target: Transformer, target_id: str, tokenizer: Tokeniz
     of six 4K prompts peaked at 11.5 GB (its chunks' attention scores are per row), one at a time at a sixth."""
     rows = torch.stack([prompt_tokens(tokenizer, context, split="heldout", variant=i) for i in range(prompts)])
     key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
-           "dtype": str(target.dtype), "prompts": hashlib.sha256(rows.numpy().tobytes()).hexdigest(),
+           "dtype": str(target.dtype), "prompts": token_hash(rows),
            "new_tokens": new_tokens, "rows_per_decode": 1, **layers_key(fuse_layers)}
     path = Path(cache_dir) / f"continuations-{digest(key)}.safetensors"
     if not path.is_file():
@@ -396,12 +403,13 @@ def agreement_report(head: FeatureHead, target_id: str, tokenizer: Tokenizer, ca
 def final_report(cfg: "FeatureTrainConfig", slice_run: str | Path = "outputs/budgetdraft/default"
                  ) -> Callable[[FeatureHead], dict[str, Any]]:
     """The end-of-run check of ``cfg`` as a function of the trained head: :func:`agreement_report` on
-    ``cfg.final_prompts`` greedy continuations at ``cfg.final_context``, with the slice drafter in ``slice_run``."""
+    ``cfg.final_prompts`` greedy continuations at ``cfg.final_context``, with the slice drafter in ``slice_run``,
+    the head seeing its entries through the window it trained with (``cfg.head_window``), if any."""
     def evaluate(head: FeatureHead) -> dict[str, Any]:
         from ..engine.data import model_tokenizer
         return agreement_report(head, cfg.verifier, model_tokenizer(cfg.verifier), cfg.teacher_dir,
                                 cfg.final_prompts, cfg.final_context, cfg.final_tokens, cfg.draft_vocab, slice_run,
-                                cfg.teacher)
+                                cfg.teacher, cfg.window)
     return evaluate
 
 

@@ -51,15 +51,22 @@ class UnrollView(KVCache):
     ``0..T-1``; forward ``j`` takes one entry per chain at ``starts + j``. Keys/values of every forward are
     kept per layer (``keys[step][layer]`` [B, kv_heads, T or n, head_dim]), graph included.
 
-    ``window`` (with ``sink``): each entry sees only the first ``sink`` entries and the ``window`` newest
-    up to itself, as the head's StreamingLLM cache at true positions (``StreamingCache(positions="true")``)
-    shows them at inference, draft steps included (while a chain's steps fit the window).
+    ``window`` (with ``sink``): each entry sees only the entries at the first ``sink`` positions and those
+    within ``window`` positions up to its own, as the head's StreamingLLM cache at true positions
+    (``StreamingCache(positions="true")``) shows them at inference, draft steps included (while a chain's
+    steps fit the window).
+
+    ``positions`` [T] (ascending; default ``0..T-1``): the entries' true positions. A window read behind a
+    long prefix keeps only what such a cache would show of it (:func:`~.feature_data.behind_teacher`): the
+    sink's entries, then a gap, then the newest ones, so forward 0 takes ``positions`` and chain step ``j``
+    the position ``positions[starts] + j``.
     """
 
-    def __init__(self, starts: torch.Tensor, sink: int = 0, window: int | None = None):
+    def __init__(self, starts: torch.Tensor, sink: int = 0, window: int | None = None,
+                 positions: torch.Tensor | None = None):
         require(window is None or (window >= 1 and sink >= 0),
                 f"an UnrollView's window is >= 1 entries and its sink >= 0, got {window} and {sink}")
-        self.starts, self.sink, self.window = starts, sink, window
+        self.starts, self.sink, self.window, self.positions = starts, sink, window, positions
         self.keys: list[dict[int, torch.Tensor]] = []
         self.values: list[dict[int, torch.Tensor]] = []
         self._k: dict[int, torch.Tensor] = {}
@@ -75,25 +82,29 @@ class UnrollView(KVCache):
         j = self.step
         device = positions.device
         if j == 0:
-            t = positions.shape[1]
-            require(bool((positions == torch.arange(t, device=device)).all()),
-                    "an UnrollView's first forward takes the window's entries at positions 0..T-1")
-            entries = torch.arange(t, device=device)
-            self._width = t
-            self._mask = CAUSAL if self.window is None else self._seen(entries, entries)[None, None]
+            t = positions.shape[-1]
+            if self.positions is None:
+                self.positions = torch.arange(t, device=device)
+            require(self.positions.shape == (t,) and bool((positions == self.positions).all()),
+                    "an UnrollView's first forward takes the window's entries at their positions (0..T-1 unless "
+                    "given)")
+            self._width = t  # ascending positions: causal by entry is causal by position
+            self._mask = CAUSAL if self.window is None else self._seen(self.positions, self.positions)[None, None]
         else:
             n = self.starts.numel()
-            require(positions.shape[1] == n and bool((positions == self.starts + j).all()),
-                    f"forward {j} of an UnrollView takes one entry per chain, at starts + {j}")
+            at = self.positions[self.starts] + j
+            require(positions.shape[-1] == n and bool((positions == at).all()),
+                    f"forward {j} of an UnrollView takes one entry per chain, at positions[starts] + {j}")
             entries = torch.arange(self._width, device=device)
-            past = self._seen(self.starts + j, entries) & (entries[None] <= self.starts[:, None])  # [n, T]
+            past = self._seen(at, self.positions) & (entries[None] <= self.starts[:, None])  # [n, T]
             own = torch.eye(n, dtype=torch.bool, device=device).repeat(1, j)  # its chain's steps 1..j
             self._mask = torch.cat((past, own), dim=1)[None, None]
         self._k, self._v = {}, {}
         return positions
 
     def _seen(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """bool [len(queries), len(keys)]: which entries each query entry attends to (see the class)."""
+        """bool [len(queries), len(keys)]: which entries (by position) each query entry attends to (see the
+        class)."""
         seen = keys[None] <= queries[:, None]
         if self.window is not None:
             seen &= (keys[None] > queries[:, None] - self.window) | (keys[None] < self.sink)
@@ -119,22 +130,37 @@ class UnrollView(KVCache):
         self.keys, self.values, self._mask = [], [], None
 
 
+def trained_from(positions: torch.Tensor | None) -> int:
+    """The first entry of a window's last run of consecutive positions (0 for an unbroken window): entries
+    before it (a sink read behind a prefix) stand only as keys, as their next token is not the entry after."""
+    if positions is None:
+        return 0
+    breaks = (positions[1:] != positions[:-1] + 1).nonzero()
+    return int(breaks.max()) + 1 if breaks.numel() else 0
+
+
 def unroll(head: FeatureHead, features: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, steps: int,
            noise: torch.Tensor | None = None, capture: Capture | None = None,
-           window: tuple[int, int] | None = None) -> tuple[list[torch.Tensor], UnrollView]:
+           window: tuple[int, int] | None = None,
+           positions: torch.Tensor | None = None) -> tuple[list[torch.Tensor], UnrollView]:
     """Predicted features of forward 0 ([B, T-1, H], entries 0..T-2) and of draft steps 1..``steps`` ([B, n, H],
-    entries ``starts + j``), for ``features`` [B, T, H] and ``tokens`` [B, T]; ``noise`` is added to forward 0's
-    input features; ``window`` (sink, window) limits what each entry sees (:class:`UnrollView`). Needs
-    ``starts + steps <= T - 2``."""
+    entries ``starts + j``), for ``features`` [B, T, H] and ``tokens`` [B, T] at ``positions`` [T] (default
+    0..T-1); ``noise`` is added to forward 0's input features; ``window`` (sink, window) limits what each entry
+    sees (:class:`UnrollView`). Needs ``starts + steps <= T - 2``, and chains after any gap in ``positions``."""
     t = tokens.shape[1]
     last = int(starts.max()) if starts.numel() else -1
     require(last + steps <= t - 2, f"a chain starting at {last} needs {steps} steps inside a window of {t} tokens")
-    view = UnrollView(starts) if window is None else UnrollView(starts, *window)
+    first = int(starts.min()) if starts.numel() else t
+    require(first >= trained_from(positions), f"a chain starts at entry {first}, before the window's last run of "
+                                              f"consecutive positions (entry {trained_from(positions)})")
+    entry_positions = None if positions is None else positions[:-1]
+    view = UnrollView(starts, *(window or (0, None)), positions=entry_positions)
     inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
-    outs = [head(inputs, tokens[:, 1:], torch.arange(t - 1, device=tokens.device), view, capture)]
+    at = torch.arange(t - 1, device=tokens.device) if positions is None else entry_positions
+    outs = [head(inputs, tokens[:, 1:], at, view, capture)]
     previous = outs[0][:, starts]
     for j in range(1, steps + 1):
-        previous = head(previous, tokens[:, starts + j + 1], starts + j, view)
+        previous = head(previous, tokens[:, starts + j + 1], at[starts] + j, view)
         outs.append(previous)
     return outs, view
 
@@ -223,21 +249,26 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
                  greedy: torch.Tensor, draws: Draws, *, scale: float, feature_weight: float, token_weight: float,
                  step_decay: float, unroll_steps: int, lam: float, continuation: int, chunk_size: int,
                  obs_window: int, scoring: str,
-                 soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> FeatureLossParts:
+                 soft: tuple[torch.Tensor, torch.Tensor] | None = None, window: tuple[int, int] | None = None,
+                 positions: torch.Tensor | None = None) -> FeatureLossParts:
     """L_A (+ lam * L_C) of one window: tokens/greedy [1, T], features [1, T, H] (float; [1, T, (k+1) H] for a
     head that fuses k lower layers, whose top block is the regression's aim); ``soft`` = the
-    verifier's (top ids, top probabilities) [1, T, K] turns every token loss into one against that distribution."""
+    verifier's (top ids, top probabilities) [1, T, K] turns every token loss into one against that distribution.
+    ``window`` (sink, window): the head sees its entries as its StreamingLLM cache would; ``positions`` [T]: a
+    window read behind a prefix (:class:`UnrollView`), whose entries before :func:`trained_from` get no loss."""
 
     def at(index) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if soft is None else (soft[0][:, index], soft[1][:, index])
 
     sparse = bool(lam) and draws.budget is not None
     capture = Capture(layers=set(range(head.depth))) if sparse else None
-    outs, view = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture)
+    outs, view = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture, window,
+                        positions)
     parts: dict[str, float] = {}
     pred0 = outs[0]
     top = head.top(features)  # what the head predicts (a fusing head reads lower layers' features too)
-    feat0 = feature_l1(pred0, top[:, 1:], scale)  # every entry: the regression needs no head
+    first = trained_from(positions)
+    feat0 = feature_l1(pred0[:, first:], top[:, first + 1:], scale)  # every entry: the regression needs no head
     ce0 = token_ce(tokens, pred0[:, draws.ce_positions], greedy[:, draws.ce_positions + 1], at(draws.ce_positions + 1))
     loss_a = feature_weight * feat0 + token_weight * ce0
     parts["feat_0"], parts["token_0"] = feat0.item(), ce0.item()
@@ -254,10 +285,12 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
         return FeatureLossParts(loss_a, parts)
     t = window_tokens.shape[1]
     prefix = t - 1 - continuation  # entries before the drafted ones: the prompt whose chunks are selected
+    require(prefix > first, f"L_C drafts the last {continuation} entries, which must lie after the window's gap "
+                            f"(entry {first})")
     kept = kept_prefix(head, capture.queries, view.keys[0], prefix, draws.budget, chunk_size, obs_window, scoring)
     inputs = features[:, prefix:t - 1] + (0 if draws.noise is None else draws.noise[:, prefix:])
-    pred = head(inputs, window_tokens[:, prefix + 1:], torch.arange(prefix, t - 1, device=inputs.device),
-                BudgetView(view.keys[0], view.values[0], kept))
+    drafted = torch.arange(prefix, t - 1, device=inputs.device) if positions is None else positions[prefix:t - 1]
+    pred = head(inputs, window_tokens[:, prefix + 1:], drafted, BudgetView(view.keys[0], view.values[0], kept))
     loss_c, parts["feat_c"], parts["token_c"] = entry_loss(tokens, pred, top[:, prefix + 1:],
                                                            greedy[:, prefix + 1:], scale, feature_weight,
                                                            token_weight, at(slice(prefix + 1, None)))

@@ -44,8 +44,9 @@ from ..speculative.vocab import frequent_tokens
 from .checkpoint import atomic_save, optimizer_state, optimizer_tensors
 from .feature_config import SET_SEED_STRIDE, FeatureTrainConfig
 from .feature_data import Window, feature_scales, sampled_teacher, teacher_windows, text_windows
+from .feature_context import behind_teacher, training_prefixes
 from .feature_eval import budgeted_agreement, training_fit, window_agreement
-from .feature_loss import Draws, TokenHead, feature_loss
+from .feature_loss import Draws, TokenHead, feature_loss, trained_from
 from .teacher import corpus_windows
 
 STATE = "state.json"
@@ -82,9 +83,15 @@ def load_feature_data(cfg: FeatureTrainConfig, target: Transformer, tokenizer: T
         windows = text_windows(tokenizer, source, cfg.seq_len, count)
         train += teacher_windows(target, cfg.verifier, windows, source, cache, cfg.teacher, progress, layers)
     for k in range(cfg.sampled_sets):
-        train += sampled_teacher(target, cfg.verifier, tokenizer, cfg.sampled_sequences, cfg.sampled_prompt,
-                                 cfg.sampled_tokens, cfg.temperature, cfg.seed + SET_SEED_STRIDE * k, cache,
-                                 cfg.teacher, cfg.sample_batch, progress, layers)
+        sampled = sampled_teacher(target, cfg.verifier, tokenizer, cfg.sampled_sequences, cfg.sampled_prompt,
+                                  cfg.sampled_tokens, cfg.temperature, cfg.seed + SET_SEED_STRIDE * k, cache,
+                                  cfg.teacher, cfg.sample_batch, progress, layers)
+        if k == 0 and cfg.behind:
+            sink, window = cfg.head_window
+            train += behind_teacher(target, cfg.verifier, sampled[:cfg.behind_sequences],
+                                    training_prefixes(tokenizer, cfg.behind), sink, window, cache, cfg.teacher,
+                                    progress, layers)
+        train += sampled
     held = corpus_windows(tokenizer, cfg.seq_len, cfg.eval_sequences, "heldout") if cfg.eval_sequences else \
         torch.zeros(0, cfg.seq_len, dtype=torch.long)
     held_out = teacher_windows(target, cfg.verifier, held, "heldout", cache, cfg.teacher, progress, layers)
@@ -119,15 +126,18 @@ def step_draws(cfg: FeatureTrainConfig, step: int, windows: list[Window], scales
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     index = int(torch.randint(len(windows), (1,), generator=gen))
     t = windows[index].tokens.numel()
+    first = trained_from(windows[index].positions)  # a window read behind a prefix learns after its gap only
     noise = None
     if cfg.noise:
         unit = torch.tensor([cfg.noise * s for s in scales]).repeat_interleave(hidden)
         noise = (torch.rand(1, t - 1, len(scales) * hidden, generator=gen) * 2 - 1) * unit
-    count = max(1, round(cfg.loss_fraction * (t - 1)))
-    ce_positions = torch.randperm(t - 1, generator=gen)[:count].sort().values
-    room = t - 1 - cfg.unroll  # chain starts 0 .. t - 2 - unroll
-    starts = torch.randperm(room, generator=gen)[:min(cfg.chains, room)].sort().values
+    count = max(1, round(cfg.loss_fraction * (t - 1 - first)))
+    ce_positions = first + torch.randperm(t - 1 - first, generator=gen)[:count].sort().values
+    room = t - 1 - cfg.unroll - first  # chain starts first .. t - 2 - unroll
+    starts = first + torch.randperm(room, generator=gen)[:min(cfg.chains, room)].sort().values
     fitting = [b for b in cfg.budgets if b < t - 1 - cfg.continuation]  # a budget must leave the prefix sparse
+    if first:  # the budgeted view would select among a gapped prefix no budget cache ever holds
+        fitting = []
     budget = fitting[int(torch.randint(len(fitting), (1,), generator=gen))] if cfg.lam and fitting else None
     return index, Draws(noise, ce_positions, starts, budget)
 
@@ -150,7 +160,8 @@ def train_step(cfg: FeatureTrainConfig, head: FeatureHead, tokens: TokenHead, op
                        window.greedy[None].to(device), draws, scale=data.scale, feature_weight=cfg.feature_weight,
                        token_weight=cfg.token_weight, step_decay=cfg.step_decay, unroll_steps=cfg.unroll,
                        lam=cfg.lam, continuation=cfg.continuation, chunk_size=cfg.chunk_size,
-                       obs_window=cfg.obs_window, scoring=cfg.scoring, soft=soft)
+                       obs_window=cfg.obs_window, scoring=cfg.scoring, soft=soft, window=cfg.window,
+                       positions=None if window.positions is None else window.positions.to(device))
     out.total.backward()
     if cfg.grad_clip:
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
@@ -344,7 +355,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         record["resumed_from_step"] = saved["step"]
     if lineage is not None:  # the export may overwrite the folder it started from: keep what it was
         record["started_from"] = lineage
-    record["training_fit"] = training_fit(head, data.train, cfg.sampled_prompt)
+    record["training_fit"] = training_fit(head, data.train, cfg.sampled_prompt, window=cfg.window)
     if evaluate is not None:
         record["measured"] = evaluate(head)
     record["wall_seconds"] = round(time.time() - began, 1)
