@@ -9,6 +9,7 @@ import torch
 from sparsedraft.budgetdraft import feature_train
 from sparsedraft.budgetdraft.feature_context import behind_teacher
 from sparsedraft.budgetdraft.feature_data import Window, teacher_of
+from sparsedraft.budgetdraft.feature_eval import window_agreement
 from sparsedraft.budgetdraft.feature_loss import trained_from, unroll
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
 from sparsedraft.engine.data import model_tokenizer
@@ -80,7 +81,7 @@ def test_behind_teacher_is_the_teacher_of_the_whole_reading_and_is_cached(tmp_pa
 def test_a_run_behind_a_prefix_trains_after_the_gap_and_records_its_windows(tmp_path):
     target = tiny_model("llama")
     shape = dict(sequences=1, pydoc_sequences=0, sampled_sequences=2, sampled_prompt=16, sampled_tokens=24,
-                 temperature=0.0, eval_sequences=0, head_window=(SINK, WINDOW), behind=40, behind_sequences=2,
+                 temperature=0.0, eval_sequences=1, head_window=(SINK, WINDOW), behind=40, behind_sequences=2,
                  steps=6, lam=0.5, unroll=2)
     cfg = config(tmp_path, "behind", **shape)
     data = feature_train.load_feature_data(cfg, target, model_tokenizer("tiny-llama"), False)
@@ -96,6 +97,9 @@ def test_a_run_behind_a_prefix_trains_after_the_gap_and_records_its_windows(tmp_
         assert draws.budget is None or first == 0
     result = train_feature_drafter(cfg, target, progress=False, provenance=False)
     assert set(result.record["training_fit"]) == {"essays", "sampled", "behind"}
+    seen, every = (window_agreement(result.head, data.held_out[0], data.ids, cfg.unroll, head_window=w)
+                   for w in (cfg.window, None))
+    assert {k: result.record["held_out_agreement"][k] for k in seen} == seen != every  # as it trained to see
 
 
 @pytest.mark.parametrize("changes, message", [

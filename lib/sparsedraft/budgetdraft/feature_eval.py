@@ -73,14 +73,15 @@ CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 @torch.no_grad()
 def window_agreement(head: FeatureHead, window: Window, ids: torch.Tensor | None, steps: int,
-                     stride: int = 4) -> dict[str, float]:
+                     stride: int = 4, head_window: tuple[int, int] | None = None) -> dict[str, float]:
     """(a) on one window: ``first_draft`` (full head), ``first_draft_vocab`` (restricted head, when ``ids``),
-    and ``step_j`` for unrolled steps 1..``steps`` at every ``stride``-th chain start (full head)."""
+    and ``step_j`` for unrolled steps 1..``steps`` at every ``stride``-th chain start (full head); the head
+    sees its entries through ``head_window`` (sink, window) when given."""
     device = head.device
     tokens, greedy = window.tokens[None].to(device), window.greedy[None].to(device)
     t = tokens.shape[1]
     starts = torch.arange(0, t - 1 - steps, stride, device=device)
-    outs, _ = unroll(head, window.features[None].to(device).float(), tokens, starts, steps)
+    outs, _ = unroll(head, window.features[None].to(device).float(), tokens, starts, steps, window=head_window)
     full = TokenHead(head, None)
     out = {"first_draft": float((full.predict(outs[0]) == greedy[:, 1:]).float().mean())}
     if ids is not None:

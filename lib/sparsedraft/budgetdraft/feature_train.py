@@ -173,12 +173,12 @@ def train_step(cfg: FeatureTrainConfig, head: FeatureHead, tokens: TokenHead, op
 
 def held_out_agreement(cfg: FeatureTrainConfig, head: FeatureHead, data: FeatureData) -> dict[str, float]:
     """Teacher-forced first-draft agreement (full head and draft vocabulary) and unrolled step-j agreement,
-    averaged over the held-out windows."""
+    averaged over the held-out windows, the head seeing its entries as it trained to (``cfg.head_window``)."""
     if not data.held_out:
         return {}
     was = head.training
     head.eval()
-    rows = [{**window_agreement(head, w, data.ids, cfg.unroll),
+    rows = [{**window_agreement(head, w, data.ids, cfg.unroll, head_window=cfg.window),
              **{f"budget_{k}": v for k, v in budgeted_agreement(head, w, cfg.budgets, eval_continuation(cfg, w),
                                                                 cfg.chunk_size, cfg.obs_window, cfg.scoring).items()}}
             for w in data.held_out]
