@@ -68,10 +68,12 @@ def test_behind_teacher_is_the_teacher_of_the_whole_reading_and_is_cached(tmp_pa
         assert window.source == "behind" and torch.equal(window.positions, positions)
         assert torch.equal(window.tokens, whole[positions]) and torch.equal(window.greedy, want["greedy"][positions])
         torch.testing.assert_close(window.features.float(), want["features"][positions].float(), rtol=0.02, atol=0.02)
-    assert len(list(tmp_path.glob("behind-*"))) == 2  # one file per prefix
+    assert len(list(tmp_path.glob("behind-*"))) == 3  # one file per window
     monkeypatch.setattr(feature_train, "teacher_of", lambda *a, **k: pytest.fail("recomputed"), raising=False)
     again = behind_teacher(target, "tiny-llama", texts, prefixes, SINK, WINDOW, tmp_path, compute=False)
     assert all(torch.equal(a.features, b.features) for a, b in zip(got, again))
+    fewer = behind_teacher(target, "tiny-llama", texts[:2], prefixes, SINK, WINDOW, tmp_path, compute=False)
+    assert all(torch.equal(a.features, b.features) for a, b in zip(got, fewer))  # a shorter run reuses them
     with pytest.raises(SparsedraftError, match="not cached"):
         behind_teacher(target, "tiny-llama", texts, prefixes[:, 1:], SINK, WINDOW, tmp_path, compute=False)
     with pytest.raises(SparsedraftError, match="leaves no gap"):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -89,46 +89,45 @@ def behind_teacher(target: Transformer, target_id: str, texts: list[Window], pre
     ``sink - 1``'s next token: no query sees its entry), its ``window`` newest, then the text, at their true
     positions, with the target's teacher in that reading. One forward over each prefix, kept in a cache
     that each text then extends and rolls back: a text costs one forward of its own length. Cached on disk, one
-    file per prefix."""
+    file per window, so a run over more texts reuses a shorter run's."""
     rows, n = len(prefixes), prefixes.shape[1]
     require(n > sink + window, f"a prefix of {n} tokens leaves no gap before a sink of {sink} and a window of "
                                f"{window}; read behind more than {sink + window} tokens")
-    out: list[Window | None] = [None] * len(texts)
-    for p in bar(range(rows), desc="behind a prefix", unit="prefix", show=progress):
-        mine = list(range(p, len(texts), rows))
-        if not mine:
-            continue
-        tokens = torch.stack([texts[i].tokens for i in mine])
-        key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
-               "dtype": str(target.dtype), "prefix": token_hash(prefixes[p]), "texts": token_hash(tokens), "sink": sink,
-               "window": window, **layers_key(fuse_layers)}
-        path = Path(cache_dir) / f"behind-{digest(key)}.safetensors"
-        if not path.is_file():
-            require(compute, f"the teacher of continuations read behind a prefix is not cached (expected {path}); "
-                             "run once without --no-teacher")
-            save_tensors(_read_behind(target, prefixes[p], tokens, sink, window, fuse_layers), path,
-                         {"key": json.dumps(key, sort_keys=True, default=str)})
-        stored = load_file(str(path))
-        for row, i in enumerate(mine):
-            out[i] = Window(stored["tokens"][row], stored["features"][row], stored["greedy"][row],
-                            stored["top_ids"][row], stored["top_probs"][row], "behind", stored["positions"])
-    return out  # type: ignore[return-value]
+    keys = [{"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
+             "dtype": str(target.dtype), "prefix": token_hash(prefixes[i % rows]), "text": token_hash(w.tokens),
+             "sink": sink, "window": window, **layers_key(fuse_layers)} for i, w in enumerate(texts)]
+    paths = [Path(cache_dir) / f"behind-{digest(key)}.safetensors" for key in keys]
+    missing = [i for i, path in enumerate(paths) if not path.is_file()]
+    require(compute or not missing, f"the teacher of {len(missing)} of {len(texts)} continuations read behind a "
+                                    f"prefix is not cached (first expected: {paths[missing[0]] if missing else ''}); "
+                                    "run once without --no-teacher")
+    done = bar(total=len(missing), desc="behind a prefix", unit="win", show=progress)
+    for p in range(rows):
+        mine = [i for i in missing if i % rows == p]
+        if mine:
+            for i, read in zip(mine, _read_behind(target, prefixes[p], [texts[i].tokens for i in mine], sink, window,
+                                                  fuse_layers)):
+                save_tensors(read, paths[i], {"key": json.dumps(keys[i], sort_keys=True, default=str)})
+                done.update(1)
+    done.close()
+    stored = [load_file(str(path)) for path in paths]
+    return [Window(w["tokens"], w["features"], w["greedy"], w["top_ids"], w["top_probs"], "behind", w["positions"])
+            for w in stored]
 
 
 @torch.inference_mode()
-def _read_behind(target: Transformer, prefix: torch.Tensor, texts: torch.Tensor, sink: int, window: int,
-                 fuse_layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
+def _read_behind(target: Transformer, prefix: torch.Tensor, texts: list[torch.Tensor], sink: int, window: int,
+                 fuse_layers: tuple[int, ...]) -> Iterator[dict[str, torch.Tensor]]:
+    """The window of each of ``texts`` read behind ``prefix`` (see :func:`behind_teacher`), one at a time."""
     n = prefix.numel()
-    cache = StaticCache(target.cfg, n + texts.shape[1], 1, target.dtype, target.device)
+    cache = StaticCache(target.cfg, n + max(t.numel() for t in texts), 1, target.dtype, target.device)
 
     def read(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"tokens": tokens.to(torch.int64), **teacher_of(target, tokens, fuse_layers, cache)}
 
     kept = torch.cat((torch.arange(sink + 1), torch.arange(n - window, n)))
     head = {k: v[kept] for k, v in read(prefix).items()}
-    rows = []
     for text in texts:
         cache.rollback(cache.length - n)
-        rows.append({k: torch.cat((head[k], v)) for k, v in read(text).items()})
-    positions = torch.cat((kept, n + torch.arange(texts.shape[1])))
-    return {**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, "positions": positions}
+        yield {**{k: torch.cat((head[k], v)) for k, v in read(text).items()},
+               "positions": torch.cat((kept, n + torch.arange(text.numel())))}
