@@ -77,8 +77,9 @@ class FeatureTrainConfig:
                 "draft_positions='true'; none: every entry (its full cache)"})
     behind: int = field(default=0, metadata={
         "help": "also read the first behind_sequences sampled continuations behind this many tokens of "
-                "train-split text (LongSpec's long-context windows, kept to what the head window shows: the "
-                "sink, then the WINDOW newest prefix tokens, then the continuation); 0: none. Needs head_window"})
+                "train-split text, the target's features behind a long context, kept to what the head window "
+                "shows of it: the sink, then the WINDOW newest prefix tokens, then the continuation; 0: none. "
+                "Needs head_window"})
     behind_sequences: int = field(default=0, metadata={
         "help": "sampled continuations (of the first set) that are also read behind a prefix, one target "
                 "forward over each continuation behind a prefix computed once per prefix"})

@@ -57,7 +57,7 @@ class UnrollView(KVCache):
     steps fit the window).
 
     ``positions`` [T] (ascending; default ``0..T-1``): the entries' true positions. A window read behind a
-    long prefix keeps only what such a cache would show of it (:func:`~.feature_data.behind_teacher`): the
+    long prefix keeps only what such a cache would show of it (:func:`~.feature_context.behind_teacher`): the
     sink's entries, then a gap, then the newest ones, so forward 0 takes ``positions`` and chain step ``j``
     the position ``positions[starts] + j``.
     """
