@@ -109,8 +109,20 @@ def test_a_run_behind_a_prefix_trains_after_the_gap_and_records_its_windows(tmp_
     (dict(behind=40, behind_sequences=1), "give head_window SINK WINDOW"),
     (dict(behind=8, behind_sequences=1, head_window=(2, 6)), "SINK \\+ WINDOW < behind"),
     (dict(behind=40, behind_sequences=3, head_window=(2, 6)), "at most sampled_sequences"),
-    (dict(head_window=(2,)), "head_window is SINK >= 0 and WINDOW >= 1"),
+    (dict(head_window=(2,)), "head_window takes SINK >= 0 and WINDOW >= 1"),
 ])
 def test_bad_behind_flags_fail_before_any_work(tmp_path, changes, message):
     with pytest.raises(SparsedraftError, match=message):
         config(tmp_path, "bad", sampled_sequences=2, sampled_prompt=16, sampled_tokens=24, **changes)
+
+
+def test_the_prefixes_training_reads_behind_are_not_the_ones_the_agreement_check_reads():
+    from sparsedraft.bench.agreement import behind_prefixes
+    from sparsedraft.budgetdraft.feature_context import CHECK_PREFIXES, prefix_windows, training_prefixes
+    tokenizer = model_tokenizer("tiny-llama")
+    trained, checked = training_prefixes(tokenizer, 12), prefix_windows(tokenizer, 12, CHECK_PREFIXES)
+    assert not any(torch.equal(a, b) for a in trained for b in checked)
+    assert torch.equal(trained[0], prefix_windows(tokenizer, 12, 1, first=CHECK_PREFIXES)[0])
+    with pytest.raises(SparsedraftError, match="give --prompts <= 16"):  # before the drafter folder is read
+        behind_prefixes("no-such-folder", 12, CHECK_PREFIXES + 1)
+

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from ..budgetdraft.feature_context import first_draft_behind
+from ..budgetdraft.feature_context import CHECK_PREFIXES, first_draft_behind, prefix_windows
 from ..budgetdraft.feature_eval import GAMMAS, agreement_report, greedy_continuations
-from ..engine.data import model_tokenizer, prompt_tokens
+from ..budgetdraft.feature_loss import check_window
+from ..engine.data import model_tokenizer
 from ..engine.machine import provenance
 from ..engine.weights import load_model
 from ..errors import require
@@ -65,9 +66,12 @@ def measure(draft: str, context: int = 4096, prompts: int = 6, tokens: int = 160
 
 def behind_prefixes(draft: str, n: int, prompts: int) -> torch.Tensor:
     """[prompts, n]: train-split essay text to read before each held-out continuation (consecutive windows; the
-    held-out prompts come from another split, so no prefix holds its continuation's text)."""
-    tokenizer = model_tokenizer(trained_verifier(draft))
-    return torch.stack([prompt_tokens(tokenizer, n, split="train", variant=r) for r in range(prompts)])
+    held-out prompts come from another split, so no prefix holds its continuation's text; the windows
+    training reads behind come after them)."""
+    require(prompts <= CHECK_PREFIXES, f"--behind reads train-split windows 0..{CHECK_PREFIXES - 1}, the ones "
+                                       f"training never reads behind; give --prompts <= {CHECK_PREFIXES}, not "
+                                       f"{prompts}")
+    return prefix_windows(model_tokenizer(trained_verifier(draft)), n, prompts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,9 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     require(args.context >= 3 and args.prompts >= 1 and args.tokens >= longest + 2,
             f"--context >= 3, --prompts >= 1 and --tokens >= {longest + 2} (the longest simulated round drafts "
             f"{longest})")
-    window = None if args.head_window is None else tuple(args.head_window)
-    require(window is None or (window[0] >= 0 and window[1] >= 1),
-            f"--head-window takes SINK >= 0 and WINDOW >= 1 entries, got {args.head_window}")
+    window = check_window(args.head_window, "--head-window")
     require(args.behind >= 0, f"--behind takes a prefix length in tokens (0: none), got {args.behind}")
     prefixes = behind_prefixes(args.draft, args.behind, args.prompts) if args.behind else None  # before the model
     started = provenance()

@@ -22,6 +22,7 @@ from typing import Any
 from ..caches.budget import BUDGETS, SCORINGS, check_budget, check_scoring
 from ..errors import require
 from .feature_data import TOP_K
+from .feature_loss import check_window
 
 TOKEN_TARGETS = ("greedy", "topk")
 SET_SEED_STRIDE = 10_007  # seeds of sampled set k: no batch's seed (seed + row offset) in one set repeats another's
@@ -154,10 +155,7 @@ class FeatureTrainConfig:
                 f"fuse_layers must be distinct layer indices >= 0, ascending; got {list(self.fuse_layers)}")
         require(isinstance(self.depth, int) and self.depth >= 1,
                 f"depth must be >= 1 decoder layers, got {self.depth!r}")
-        require(len(self.head_window) in (0, 2) and all(n >= 0 for n in self.head_window)
-                and (not self.head_window or self.head_window[1] >= 1),
-                f"head_window is SINK >= 0 and WINDOW >= 1 entries (or empty: all entries), got "
-                f"{list(self.head_window)}")
+        check_window(self.head_window, "head_window")
         require(self.behind >= 0 and self.behind_sequences >= 0,
                 f"behind and behind_sequences must be >= 0, got {self.behind} and {self.behind_sequences}")
         require(bool(self.behind) == bool(self.behind_sequences),
@@ -212,7 +210,7 @@ class FeatureTrainConfig:
     @property
     def window(self) -> tuple[int, int] | None:
         """(sink, window) of the head's view of its entries in training, or None (all of them)."""
-        return (self.head_window[0], self.head_window[1]) if self.head_window else None
+        return check_window(self.head_window, "head_window")
 
     def replace(self, **changes: Any) -> "FeatureTrainConfig":
         return dataclasses.replace(self, **changes)

@@ -69,16 +69,19 @@ def first_draft_behind(head: FeatureHead, data: Continuations, prefixes: torch.T
             "target_argmax_unchanged": float(torch.cat(unchanged).mean())}
 
 
-BEHIND_PREFIXES = 8  # distinct prefixes that training windows are read behind (each computed once)
-BEHIND_VARIANT = 16  # the first prefix's window of the train split: bench.agreement --behind reads 0..15
+CHECK_PREFIXES = 16  # train-split windows 0..15: what bench.agreement --behind reads behind held-out text
+BEHIND_PREFIXES = 8  # distinct prefixes that training windows are read behind (each computed once), after those
+
+
+def prefix_windows(tokenizer: Tokenizer, n: int, count: int, first: int = 0) -> torch.Tensor:
+    """[count, n]: consecutive train-split windows of ``n`` tokens from window ``first`` on, to read text behind."""
+    return torch.stack([prompt_tokens(tokenizer, n, split="train", variant=first + i) for i in range(count)])
 
 
 def training_prefixes(tokenizer: Tokenizer, n: int) -> torch.Tensor:
-    """[BEHIND_PREFIXES, n] train-split text that training continuations are read behind: windows other than
-    the ones ``bench.agreement --behind`` reads behind held-out text (with up to 16 prompts), so that check
-    stays clean."""
-    return torch.stack([prompt_tokens(tokenizer, n, split="train", variant=BEHIND_VARIANT + i)
-                        for i in range(BEHIND_PREFIXES)])
+    """[BEHIND_PREFIXES, n] train-split text that training continuations are read behind: the windows after
+    the ones ``bench.agreement --behind`` reads, so that check stays clean."""
+    return prefix_windows(tokenizer, n, BEHIND_PREFIXES, first=CHECK_PREFIXES)
 
 
 def behind_teacher(target: Transformer, target_id: str, texts: list[Window], prefixes: torch.Tensor, sink: int,

@@ -32,6 +32,7 @@ the head learns to predict under any budget it may be deployed with;
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +65,8 @@ class UnrollView(KVCache):
 
     def __init__(self, starts: torch.Tensor, sink: int = 0, window: int | None = None,
                  positions: torch.Tensor | None = None):
-        require(window is None or (window >= 1 and sink >= 0),
-                f"an UnrollView's window is >= 1 entries and its sink >= 0, got {window} and {sink}")
+        if window is not None:
+            check_window((sink, window), "an UnrollView")
         self.starts, self.sink, self.window, self.positions = starts, sink, window, positions
         self.keys: list[dict[int, torch.Tensor]] = []
         self.values: list[dict[int, torch.Tensor]] = []
@@ -128,6 +129,16 @@ class UnrollView(KVCache):
 
     def reset(self) -> None:
         self.keys, self.values, self._mask = [], [], None
+
+
+def check_window(window: Sequence[int] | None, name: str) -> tuple[int, int] | None:
+    """A head window (SINK, WINDOW) as a tuple, None for none (or empty); ``name`` says who was given it in the
+    one error a bad one gets."""
+    if window is None or len(window) == 0:
+        return None
+    require(len(window) == 2 and window[0] >= 0 and window[1] >= 1,
+            f"{name} takes SINK >= 0 and WINDOW >= 1 entries, got {list(window)}")
+    return int(window[0]), int(window[1])
 
 
 def trained_from(positions: torch.Tensor | None) -> int:
