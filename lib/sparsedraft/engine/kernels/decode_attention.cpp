@@ -66,8 +66,25 @@ constexpr int64_t kChunk = 256;  // keys per work item; fixed positions, part of
 // block never changes a row's operations, so no bits change either.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int64_t kLanes = 8;
+#if defined(__FMA__)
+// AVX2+FMA's 16 vector registers: the row layout's scoring and weighing hold their operands in registers
+// (score_keys, weigh_by_lanes) where the compiler's loops re-read them. AVX-512 builds (32 registers) keep the
+// loops.
+#define SPARSEDRAFT_REGISTER_BLOCKS 1
+#endif
 #else
 constexpr int64_t kLanes = 16;
+#endif
+#ifndef SPARSEDRAFT_REGISTER_BLOCKS
+#define SPARSEDRAFT_REGISTER_BLOCKS 0
+#endif
+#if SPARSEDRAFT_REGISTER_BLOCKS
+// x, which the compiler must now keep in a register: without this it folds the load into every multiply-add
+// that uses x, one load each time.
+inline __m256 in_register(__m256 x) {
+  asm("" : "+x"(x));
+  return x;
+}
 #endif
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -201,6 +218,23 @@ inline void exp2_lanes(float* v, const float* m) {
 // accumulators keep the FMA units busy.
 template <int KB, int NV>
 void score_keys(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t v0) {
+#if SPARSEDRAFT_REGISTER_BLOCKS
+  // The same chains with the query vectors held in registers: written as loops, the compiler re-read them from
+  // memory for every key, 16 loads per 12 multiply-adds, and AVX2 CPUs load two vectors a cycle.
+  __m256 acc[KB][NV];
+  for (int kk = 0; kk < KB; ++kk)
+    for (int n = 0; n < NV; ++n) acc[kk][n] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 qd[NV];
+    for (int n = 0; n < NV; ++n) qd[n] = in_register(_mm256_loadu_ps(qt + d * rp + v0 + 8 * n));
+    for (int kk = 0; kk < KB; ++kk) {
+      const __m256 kd = _mm256_set1_ps(k[kk * D + d]);
+      for (int n = 0; n < NV; ++n) acc[kk][n] = _mm256_fmadd_ps(kd, qd[n], acc[kk][n]);
+    }
+  }
+  for (int kk = 0; kk < KB; ++kk)
+    for (int n = 0; n < NV; ++n) _mm256_storeu_ps(s + kk * rp + v0 + 8 * n, acc[kk][n]);
+#else
   float acc[KB][NV * kLanes] = {};
   for (int64_t d = 0; d < D; ++d) {
     const float* qd = qt + d * rp + v0;
@@ -213,6 +247,7 @@ void score_keys(const float* qt, const float* k, float* s, int64_t D, int64_t rp
   for (int kk = 0; kk < KB; ++kk)
 #pragma omp simd
     for (int64_t l = 0; l < NV * kLanes; ++l) s[kk * rp + v0 + l] = acc[kk][l];
+#endif
 }
 
 // Scores of keys [j0, j1) against all rows: groups of up to three row vectors, keys in blocks.
@@ -284,8 +319,64 @@ void weigh_rows(const float* p, int64_t pk, int64_t pr, const float* v, int64_t 
     for (int64_t r = r0; r < r1; ++r) weigh_values<1, 1>(p, pk, pr, v, D, r, d0, j0, j1, o);
 }
 
+#if SPARSEDRAFT_REGISTER_BLOCKS
+// ot[d][v0 .. v0 + 8 NV) for d in [d0, d0 + DB) += sum over keys j in [j0, j1) of p[j][rows] * v[j][d]: the rows
+// as lanes, as p holds them, each value broadcast: DB*NV accumulators, NV + DB loads per DB*NV multiply-adds
+// (weigh_values takes one load per multiply-add).
+template <int NV, int DB>
+void weigh_lanes_block(const float* p, int64_t rp, const float* v, int64_t D, int64_t v0, int64_t d0, int64_t j0,
+                       int64_t j1, float* ot) {
+  __m256 acc[DB][NV];
+  for (int dd = 0; dd < DB; ++dd)
+    for (int n = 0; n < NV; ++n) acc[dd][n] = _mm256_loadu_ps(ot + (d0 + dd) * rp + v0 + 8 * n);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 pj[NV];
+    for (int n = 0; n < NV; ++n) pj[n] = in_register(_mm256_loadu_ps(p + j * rp + v0 + 8 * n));
+    const float* vj = v + j * D + d0;
+    for (int dd = 0; dd < DB; ++dd) {
+      const __m256 b = _mm256_set1_ps(vj[dd]);
+      for (int n = 0; n < NV; ++n) acc[dd][n] = _mm256_fmadd_ps(pj[n], b, acc[dd][n]);
+    }
+  }
+  for (int dd = 0; dd < DB; ++dd)
+    for (int n = 0; n < NV; ++n) _mm256_storeu_ps(ot + (d0 + dd) * rp + v0 + 8 * n, acc[dd][n]);
+}
+
+constexpr int64_t kLanesKeys = 64;  // keys per pass of weigh_by_lanes: their values (16 KiB at D = 64) stay in L1
+
+// weigh for rows [0, R) laid out as lanes (p[j][rp], rp a multiple of 8, D of 8): o [R][D] turned into
+// ot [D][rp], the register blocks run over it a pass of kLanesKeys keys at a time, and ot turned back. Each
+// (row, column) chain is weigh_values's: the same multiply-adds from the same start, keys in order.
+void weigh_by_lanes(const float* p, int64_t rp, const float* v, int64_t D, int64_t R, int64_t j0, int64_t j1,
+                    float* o) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < D * rp) buf.resize(D * rp);
+  float* ot = buf.data();
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t r = 0; r < rp; ++r) ot[d * rp + r] = r < R ? o[r * D + d] : 0.0f;
+  for (int64_t a = j0; a < j1; a += kLanesKeys) {
+    const int64_t b = std::min(j1, a + kLanesKeys);
+    int64_t v0 = 0;
+    for (; v0 + 24 <= rp; v0 += 24)
+      for (int64_t d0 = 0; d0 < D; d0 += 4) weigh_lanes_block<3, 4>(p, rp, v, D, v0, d0, a, b, ot);
+    if (rp - v0 == 16)
+      for (int64_t d0 = 0; d0 < D; d0 += 4) weigh_lanes_block<2, 4>(p, rp, v, D, v0, d0, a, b, ot);
+    if (rp - v0 == 8)
+      for (int64_t d0 = 0; d0 < D; d0 += 8) weigh_lanes_block<1, 8>(p, rp, v, D, v0, d0, a, b, ot);
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) o[r * D + d] = ot[d * rp + r];
+}
+#endif
+
 void weigh(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
            int64_t j0, int64_t j1, float* o) {
+#if SPARSEDRAFT_REGISTER_BLOCKS
+  if (pr == 1 && r0 == 0 && r1 > 1 && D % 8 == 0) {  // all rows of the row layout (pk is its rp)
+    weigh_by_lanes(p, pk, v, D, r1, j0, j1, o);
+    return;
+  }
+#endif
   if (D % 64 == 0 && kAccFloats >= 3 * 64) {
     weigh_rows<64>(p, pk, pr, v, D, r0, r1, j0, j1, o);
   } else if (D % 32 == 0 && kAccFloats >= 3 * 32) {
