@@ -67,8 +67,8 @@ constexpr int64_t kChunk = 256;  // keys per work item; fixed positions, part of
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int64_t kLanes = 8;
 #if defined(__FMA__)
-// AVX2+FMA's 16 vector registers: the row layout's scoring and weighing hold their operands in registers
-// (score_keys, weigh_by_lanes) where the compiler's loops re-read them. AVX-512 builds (32 registers) keep the
+// AVX2+FMA's 16 vector registers: scoring and weighing hold their operands in registers (score_keys,
+// weigh_values) where the compiler's loops re-read them. AVX-512 builds (32 registers) keep the
 // loops.
 #define SPARSEDRAFT_REGISTER_BLOCKS 1
 #endif
@@ -281,6 +281,25 @@ void score(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int
 template <int RB, int DW>
 void weigh_values(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t d0,
                   int64_t j0, int64_t j1, float* o) {
+#if SPARSEDRAFT_REGISTER_BLOCKS
+  if constexpr (DW % 8 == 0) {  // the same chains with each key's values loaded once into registers
+    constexpr int NW = DW / 8;
+    __m256 acc[RB][NW];
+    for (int rr = 0; rr < RB; ++rr)
+      for (int w = 0; w < NW; ++w) acc[rr][w] = _mm256_loadu_ps(o + (r0 + rr) * D + d0 + 8 * w);
+    for (int64_t j = j0; j < j1; ++j) {
+      __m256 vj[NW];
+      for (int w = 0; w < NW; ++w) vj[w] = in_register(_mm256_loadu_ps(v + j * D + d0 + 8 * w));
+      for (int rr = 0; rr < RB; ++rr) {
+        const __m256 pj = _mm256_set1_ps(p[j * pk + (r0 + rr) * pr]);
+        for (int w = 0; w < NW; ++w) acc[rr][w] = _mm256_fmadd_ps(pj, vj[w], acc[rr][w]);
+      }
+    }
+    for (int rr = 0; rr < RB; ++rr)
+      for (int w = 0; w < NW; ++w) _mm256_storeu_ps(o + (r0 + rr) * D + d0 + 8 * w, acc[rr][w]);
+    return;
+  }
+#endif
   float acc[RB][DW];
   for (int rr = 0; rr < RB; ++rr)
 #pragma omp simd
@@ -320,60 +339,30 @@ void weigh_rows(const float* p, int64_t pk, int64_t pr, const float* v, int64_t 
 }
 
 #if SPARSEDRAFT_REGISTER_BLOCKS
-// ot[d][v0 .. v0 + 8 NV) for d in [d0, d0 + DB) += sum over keys j in [j0, j1) of p[j][rows] * v[j][d]: the rows
-// as lanes, as p holds them, each value broadcast: DB*NV accumulators, NV + DB loads per DB*NV multiply-adds
-// (weigh_values takes one load per multiply-add).
-template <int NV, int DB>
-void weigh_lanes_block(const float* p, int64_t rp, const float* v, int64_t D, int64_t v0, int64_t d0, int64_t j0,
-                       int64_t j1, float* ot) {
-  __m256 acc[DB][NV];
-  for (int dd = 0; dd < DB; ++dd)
-    for (int n = 0; n < NV; ++n) acc[dd][n] = _mm256_loadu_ps(ot + (d0 + dd) * rp + v0 + 8 * n);
-  for (int64_t j = j0; j < j1; ++j) {
-    __m256 pj[NV];
-    for (int n = 0; n < NV; ++n) pj[n] = in_register(_mm256_loadu_ps(p + j * rp + v0 + 8 * n));
-    const float* vj = v + j * D + d0;
-    for (int dd = 0; dd < DB; ++dd) {
-      const __m256 b = _mm256_set1_ps(vj[dd]);
-      for (int n = 0; n < NV; ++n) acc[dd][n] = _mm256_fmadd_ps(pj[n], b, acc[dd][n]);
-    }
+// Columns [d0, d0 + DW) of rows [r0, r1), four rows at a time: at DW = 24, twelve accumulators, three registers
+// of values and a broadcast fill AVX2's sixteen, with 7 loads per 12 multiply-adds.
+template <int DW>
+void weigh_tile(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
+                int64_t d0, int64_t j0, int64_t j1, float* o) {
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) weigh_values<4, DW>(p, pk, pr, v, D, r, d0, j0, j1, o);
+  switch (r1 - r) {
+    case 3: weigh_values<3, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
+    case 2: weigh_values<2, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
+    case 1: weigh_values<1, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
+    default: break;
   }
-  for (int dd = 0; dd < DB; ++dd)
-    for (int n = 0; n < NV; ++n) _mm256_storeu_ps(ot + (d0 + dd) * rp + v0 + 8 * n, acc[dd][n]);
-}
-
-constexpr int64_t kLanesKeys = 64;  // keys per pass of weigh_by_lanes: their values (16 KiB at D = 64) stay in L1
-
-// weigh for rows [0, R) laid out as lanes (p[j][rp], rp a multiple of 8, D of 8): o [R][D] turned into
-// ot [D][rp], the register blocks run over it a pass of kLanesKeys keys at a time, and ot turned back. Each
-// (row, column) chain is weigh_values's: the same multiply-adds from the same start, keys in order.
-void weigh_by_lanes(const float* p, int64_t rp, const float* v, int64_t D, int64_t R, int64_t j0, int64_t j1,
-                    float* o) {
-  thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < D * rp) buf.resize(D * rp);
-  float* ot = buf.data();
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t r = 0; r < rp; ++r) ot[d * rp + r] = r < R ? o[r * D + d] : 0.0f;
-  for (int64_t a = j0; a < j1; a += kLanesKeys) {
-    const int64_t b = std::min(j1, a + kLanesKeys);
-    int64_t v0 = 0;
-    for (; v0 + 24 <= rp; v0 += 24)
-      for (int64_t d0 = 0; d0 < D; d0 += 4) weigh_lanes_block<3, 4>(p, rp, v, D, v0, d0, a, b, ot);
-    if (rp - v0 == 16)
-      for (int64_t d0 = 0; d0 < D; d0 += 4) weigh_lanes_block<2, 4>(p, rp, v, D, v0, d0, a, b, ot);
-    if (rp - v0 == 8)
-      for (int64_t d0 = 0; d0 < D; d0 += 8) weigh_lanes_block<1, 8>(p, rp, v, D, v0, d0, a, b, ot);
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) o[r * D + d] = ot[d * rp + r];
 }
 #endif
 
 void weigh(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
            int64_t j0, int64_t j1, float* o) {
 #if SPARSEDRAFT_REGISTER_BLOCKS
-  if (pr == 1 && r0 == 0 && r1 > 1 && D % 8 == 0) {  // all rows of the row layout (pk is its rp)
-    weigh_by_lanes(p, pk, v, D, r1, j0, j1, o);
+  if (D % 8 == 0) {  // column tiles of 24, then one of 16 or 8
+    int64_t d0 = 0;
+    for (; d0 + 24 <= D; d0 += 24) weigh_tile<24>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+    if (D - d0 == 16) weigh_tile<16>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+    if (D - d0 == 8) weigh_tile<8>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
     return;
   }
 #endif
