@@ -306,3 +306,39 @@ def test_kernels_at_head_run_beside_the_loaded_ones_with_their_bits():
     assert all(r["same_bits_as_against"] for r in rows)
     linear = kernel_timing.time_linear(2, layers=1, vocab=64, warmup=0, repeats=1, against=against)
     assert linear[-1]["method"] == label and linear[-1]["same_bits_as_against"]
+
+
+def test_kernels_running_sends_every_kernel_call_to_another_build_and_back():
+    """bench.whole_steps times whole steps on another build by pointing the library's kernel calls at it: inside
+    ``kernels.running`` a call reaches that build, after it the loaded one again."""
+    from sparsedraft.engine import kernels
+    if not kernels.available():
+        pytest.skip("the C++ kernels do not build here")
+
+    class Other:
+        def attend(self, *args):
+            raise LookupError("the other build ran")
+
+    q, k = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 4, 8)
+    mine = kernels.attend(q, k, k, 0.3, 1)
+    with kernels.running(Other()), pytest.raises(LookupError, match="other build"):
+        kernels.attend(q, k, k, 0.3, 1)
+    assert torch.equal(kernels.attend(q, k, k, 0.3, 1), mine)
+
+
+def test_whole_steps_time_a_tiny_model_on_both_builds_with_equal_logits():
+    """The whole-step A/B against HEAD's kernels (the checkout's own where nothing changed them): a decode and a
+    verification row per build, each beside its roofline, and the logits bitwise equal."""
+    from sparsedraft.bench import whole_steps
+    from sparsedraft.bench.kernels_at import kernels_at
+    from sparsedraft.engine import kernels
+    if not kernels.available():
+        pytest.skip("the C++ kernels do not build here")
+    against = kernels_at("HEAD")
+    model = tiny_model("llama").eval()
+    with torch.inference_mode():
+        rows = whole_steps.time_steps(model, 40, [1, 3], against, 10e9, 10.0, warmup=0, repeats=1)
+    then = whole_steps.then_label(against[1])
+    assert [(r["method"], r["step"]) for r in rows] == [("kernels", "decode"), (then, "decode"),
+                                                         ("kernels", "verify-3"), (then, "verify-3")]
+    assert all(r["same_logits_as_against"] and r["roofline_ms"] > 0 and r["context"] == 40 for r in rows)

@@ -33,6 +33,7 @@ is the oracle the tests hold it to.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -44,6 +45,7 @@ import warnings
 import weakref
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import torch
 
@@ -232,6 +234,20 @@ def build_from(folder: Path) -> ModuleType:
         if hasattr(module, switch):  # an older revision may predate a switch
             getattr(module, switch)(value)
     return module
+
+
+@contextlib.contextmanager
+def running(module: ModuleType) -> Iterator[None]:
+    """Inside: every kernel call of the library goes to ``module``, another build of these files
+    (:func:`build_from`, e.g. a git revision's from ``bench.kernels_at``), so whole model steps can be timed on
+    both builds in one process (``bench.whole_steps``). Not for two threads at once."""
+    global _module
+    _built()
+    mine, _module = _module, module
+    try:
+        yield
+    finally:
+        _module = mine
 
 
 def use_tiles(on: bool) -> bool:
