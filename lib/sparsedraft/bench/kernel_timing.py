@@ -30,7 +30,7 @@ from ..engine.roofline import measure_read_bandwidth
 from ..errors import SparsedraftError, require
 from .kernels_at import kernels_at, revision
 from .record import finish_module
-from .timing import interleaved_runs, median_ms
+from .timing import interleaved_runs, median_ms, seconds_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 Against = tuple  # (module, commit): the kernels at another revision (kernels_at), timed beside these
@@ -64,13 +64,6 @@ def time_step(layers: int = 30, heads: int = 9, kv: int = 3, d: int = 64, contex
     def row_lanes():  # the kernel with every step on its rows-as-lanes path (KEY_ROWS picks per step)
         return [attend(qg, k, v, scale, t, key_rows=0) for k, v in caches]
 
-    def timed(fn):
-        def run():
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        return run
-
     def vector_code():  # bf16 on the same build's vector code instead of AMX tiles
         before = use_tiles(False)
         try:
@@ -79,16 +72,16 @@ def time_step(layers: int = 30, heads: int = 9, kv: int = 3, d: int = 64, contex
             use_tiles(before)
 
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(sdpa(), kernel()))
-    paths = {"sdpa": timed(sdpa), "kernel": timed(kernel), "kernel, rows as lanes": timed(row_lanes)}
+    paths = {"sdpa": seconds_of(sdpa), "kernel": seconds_of(kernel), "kernel, rows as lanes": seconds_of(row_lanes)}
     same = None
     if against is not None:
         old, sha = against
         def kernel_then():
             return [old.attend(qg, k, v, scale, t, KEY_ROWS) for k, v in caches]
         same = all(torch.equal(a, b) for a, b in zip(kernel(), _called(kernel_then, sha, "attend")))
-        paths[then_label(sha)] = timed(kernel_then)
+        paths[then_label(sha)] = seconds_of(kernel_then)
     if DTYPES[dtype] == torch.bfloat16 and on_tiles():
-        paths["kernel, no tiles"] = timed(vector_code)
+        paths["kernel, no tiles"] = seconds_of(vector_code)
     runs = interleaved_runs(paths, warmup, repeats)
     kv_bytes = layers * 2 * kv * context * d * caches[0][0].element_size()
     rows = []

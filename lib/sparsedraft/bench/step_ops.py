@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 from unittest import mock
 
 import torch
@@ -31,17 +30,8 @@ from ..engine.weights import load_model
 from ..errors import require
 from .ar import random_cache
 from .record import finish_module
-from .timing import interleaved_runs, median_ms
+from .timing import interleaved_runs, median_ms, seconds_of
 
-
-def _us(fn, calls: int) -> Callable[[], float]:
-    """A runner for :func:`interleaved_runs`: seconds for ``calls`` calls of ``fn``."""
-    def timed():
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return time.perf_counter() - start
-    return timed
 
 
 def time_ops(repeats: int = 5, calls: int = 2000) -> list[dict]:
@@ -52,7 +42,7 @@ def time_ops(repeats: int = 5, calls: int = 2000) -> list[dict]:
     angles = Angles(torch.randn(1, 1, 1, 64, generator=gen), torch.randn(1, 1, 1, 64, generator=gen))
     pairs = {"rms_norm": (lambda: engine.rms_norm(x, weight, 1e-5), lambda: kernels.rms_norm(x, weight, 1e-5)),
              "rope": (lambda: angles.apply(q.transpose(1, 2)), lambda: kernels.rope(q, *angles.rows()))}
-    runners = {f"{op} {form}": _us(fn, calls) for op, (torch_fn, kernel_fn) in pairs.items()
+    runners = {f"{op} {form}": seconds_of(fn, calls) for op, (torch_fn, kernel_fn) in pairs.items()
                for form, fn in (("torch", torch_fn), ("kernel", kernel_fn))}
     with torch.inference_mode():
         runs = interleaved_runs(runners, 1, repeats)

@@ -10,6 +10,7 @@ runners time themselves (they synchronise the device around their regions).
 
 from __future__ import annotations
 
+import time
 from typing import Callable, TypeVar
 
 from ..progress import bar
@@ -27,6 +28,17 @@ def interleaved_runs(runners: dict[str, Callable[[], R]], warmup: int, repeats: 
         if timed:
             kept[name].append(result)
     return kept
+
+
+def seconds_of(fn: Callable[[], object], calls: int = 1) -> Callable[[], float]:
+    """A runner for :func:`interleaved_runs`: the seconds ``calls`` calls of ``fn`` take (CPU work; a GPU runner
+    synchronises inside ``fn``)."""
+    def timed() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - start
+    return timed
 
 
 def median_run(runs: list[R], key: Callable[[R], float]) -> R:

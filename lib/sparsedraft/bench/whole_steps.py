@@ -15,7 +15,6 @@ Not a test: ``python -m sparsedraft.bench.whole_steps --against REV``. Prints a 
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import asdict
 
 import torch
@@ -30,7 +29,7 @@ from .kernel_timing import then_label
 from .kernels_at import kernels_at, revision
 from .record import finish_module
 from .steps import StepRow, step_row, steps_table
-from .timing import interleaved_runs, median_ms
+from .timing import interleaved_runs, median_ms, seconds_of
 
 
 def time_steps(model, context: int, tokens: list[int], against, read_bytes_per_s: float, peak: float,
@@ -55,14 +54,8 @@ def time_steps(model, context: int, tokens: list[int], against, read_bytes_per_s
 
         same = torch.equal(step(), step_then())
 
-        def timed(fn):
-            def run():
-                start = time.perf_counter()
-                fn()
-                return time.perf_counter() - start
-            return run
-
-        runs = interleaved_runs({"kernels": timed(step), then_label(sha): timed(step_then)}, warmup, repeats)
+        runs = interleaved_runs({"kernels": seconds_of(step), then_label(sha): seconds_of(step_then)}, warmup,
+                                repeats)
         name = "decode" if t == 1 else f"verify-{t}"
         for method, seconds in runs.items():
             row = step_row(name, dtype, median_ms(seconds), step_cost(model.cfg, context, t, model.dtype.itemsize),
