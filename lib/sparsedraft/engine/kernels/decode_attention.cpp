@@ -317,35 +317,13 @@ void weigh_values(const float* p, int64_t pk, int64_t pr, const float* v, int64_
     for (int c = 0; c < DW; ++c) o[(r0 + rr) * D + d0 + c] = acc[rr][c];
 }
 
-// Rows [r0, r1) over keys [j0, j1) for the columns [0, D): column tiles of DW, RB rows at a time
-// and the leftover rows as one block; leftover columns one at a time (the same madd chain per element).
-template <int DW>
-void weigh_rows(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
-                int64_t j0, int64_t j1, float* o) {
-  constexpr int RB = std::clamp(kAccFloats / DW, 1, 4);  // rows per register block
-  const int64_t dfull = D / DW * DW;
-  for (int64_t d0 = 0; d0 < dfull; d0 += DW) {
-    int64_t r = r0;
-    for (; r + RB <= r1; r += RB) weigh_values<RB, DW>(p, pk, pr, v, D, r, d0, j0, j1, o);
-    switch (r1 - r) {
-      case 3: weigh_values<3, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
-      case 2: weigh_values<2, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
-      case 1: weigh_values<1, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
-      default: break;
-    }
-  }
-  for (int64_t d0 = dfull; d0 < D; ++d0)
-    for (int64_t r = r0; r < r1; ++r) weigh_values<1, 1>(p, pk, pr, v, D, r, d0, j0, j1, o);
-}
-
-#if SPARSEDRAFT_REGISTER_BLOCKS
-// Columns [d0, d0 + DW) of rows [r0, r1), four rows at a time: at DW = 24, twelve accumulators, three registers
-// of values and a broadcast fill AVX2's sixteen, with 7 loads per 12 multiply-adds.
-template <int DW>
+// Columns [d0, d0 + DW) of rows [r0, r1) over keys [j0, j1): RB rows at a time, the leftover rows as one block.
+template <int DW, int RB>
 void weigh_tile(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
                 int64_t d0, int64_t j0, int64_t j1, float* o) {
+  static_assert(RB <= 4);
   int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) weigh_values<4, DW>(p, pk, pr, v, D, r, d0, j0, j1, o);
+  for (; r + RB <= r1; r += RB) weigh_values<RB, DW>(p, pk, pr, v, D, r, d0, j0, j1, o);
   switch (r1 - r) {
     case 3: weigh_values<3, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
     case 2: weigh_values<2, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
@@ -353,16 +331,29 @@ void weigh_tile(const float* p, int64_t pk, int64_t pr, const float* v, int64_t 
     default: break;
   }
 }
-#endif
+
+// Rows [r0, r1) over keys [j0, j1) for the columns [0, D): column tiles of DW, leftover columns one at a time (the
+// same madd chain per element).
+template <int DW>
+void weigh_rows(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
+                int64_t j0, int64_t j1, float* o) {
+  constexpr int RB = std::clamp(kAccFloats / DW, 1, 4);  // rows per register block
+  const int64_t dfull = D / DW * DW;
+  for (int64_t d0 = 0; d0 < dfull; d0 += DW) weigh_tile<DW, RB>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+  for (int64_t d0 = dfull; d0 < D; ++d0)
+    for (int64_t r = r0; r < r1; ++r) weigh_values<1, 1>(p, pk, pr, v, D, r, d0, j0, j1, o);
+}
 
 void weigh(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
            int64_t j0, int64_t j1, float* o) {
 #if SPARSEDRAFT_REGISTER_BLOCKS
-  if (D % 8 == 0) {  // column tiles of 24, then one of 16 or 8
+  // Column tiles of 24, then one of 16 or 8, four rows at a time: twelve accumulators, three registers of values
+  // and a broadcast fill AVX2's sixteen, with 7 loads per 12 multiply-adds.
+  if (D % 8 == 0) {
     int64_t d0 = 0;
-    for (; d0 + 24 <= D; d0 += 24) weigh_tile<24>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
-    if (D - d0 == 16) weigh_tile<16>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
-    if (D - d0 == 8) weigh_tile<8>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+    for (; d0 + 24 <= D; d0 += 24) weigh_tile<24, 4>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+    if (D - d0 == 16) weigh_tile<16, 4>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+    if (D - d0 == 8) weigh_tile<8, 4>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
     return;
   }
 #endif
