@@ -326,6 +326,17 @@ def test_kernels_running_sends_every_kernel_call_to_another_build_and_back():
     assert torch.equal(kernels.attend(q, k, k, 0.3, 1), mine)
 
 
+def test_bench_modules_turn_bad_input_into_one_error_line():
+    """``python -m sparsedraft.bench.<module>`` answers bad input as ``python -m sparsedraft`` does: one
+    ``error:`` line naming the fix and exit status 2, before any model loads, not a traceback."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "sparsedraft.bench.whole_steps", "--against", "HEAD",
+                           "--record", "steps.txt"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: --record takes a .json path, got 'steps.txt'"]
+
+
 def test_whole_steps_time_a_tiny_model_on_both_builds_with_equal_logits():
     """The whole-step A/B against HEAD's kernels (the checkout's own where nothing changed them): a decode and a
     verification row per build, each beside its roofline, and the logits bitwise equal."""

@@ -32,7 +32,7 @@ from ..budgetdraft.feature_loss import check_window
 from ..engine.data import model_tokenizer
 from ..engine.machine import provenance
 from ..engine.weights import load_model
-from ..errors import require
+from ..errors import exit_with, require
 from ..speculative.feature import load_feature_head
 from ..speculative.loading import has_checkpoint, trained_verifier
 from .record import finish_module
@@ -143,4 +143,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -38,7 +38,7 @@ from ..engine.model import Transformer
 from ..engine.roofline import measure_read_bandwidth, step_cost
 from ..engine.runtime import DTYPES, synchronize
 from ..engine.weights import load_model
-from ..errors import require
+from ..errors import exit_with, require
 from ..speculative.feature import Entries, FeatureHead
 from ..speculative.loading import load_trained, trained_scoring, trained_verifier
 from ..speculative.vocab import coverage, frequent_tokens, restrict_head
@@ -191,4 +191,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -50,7 +50,7 @@ from ..cliopts import add_config_options, config_from_args
 from ..engine.config import ModelConfig
 from ..engine.roofline import HARDWARE, MODELS, Hardware, kv_bytes
 from ..engine.runtime import DTYPES, device_name
-from ..errors import SparsedraftError, require
+from ..errors import SparsedraftError, exit_with, require
 from ..report import format_table
 from .comparison import CompareConfig, compare
 from .gpu_levels import Backend, DeviceBackend, LevelRow, LevelTimer, StepTiming, draft_level, fit_context, \
@@ -350,4 +350,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -27,7 +27,7 @@ from ..engine.kernels import (KEY_ROWS, MAX_LINEAR_ROWS, attend, available, line
                               use_pairs, use_tiles)
 from ..engine.machine import best_isa, peak_gflops, provenance
 from ..engine.roofline import measure_read_bandwidth
-from ..errors import SparsedraftError, require
+from ..errors import SparsedraftError, exit_with, require
 from .kernels_at import kernels_at, revision
 from .record import finish_module
 from .timing import interleaved_runs, median_ms, seconds_of
@@ -238,4 +238,4 @@ def _main_linear(args, argv: list[str] | None, against: Against | None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -29,7 +29,7 @@ from ..engine.prefill_store import prefill_prompt
 from ..engine.roofline import measure_read_bandwidth
 from ..engine.runtime import DTYPES
 from ..engine.weights import load_model
-from ..errors import require
+from ..errors import exit_with, require
 from .ar import hf_prefill, load_hf_oracle
 from .record import finish_module
 
@@ -96,4 +96,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -22,7 +22,7 @@ from ..engine.machine import peak_gflops, provenance
 from ..engine.model import Transformer, gemm_batches
 from ..engine.roofline import attention_flops, weight_flops
 from ..engine.weights import load_model
-from ..errors import require
+from ..errors import exit_with, require
 from .record import finish_module
 from .timing import interleaved_runs, median_ms
 
@@ -96,4 +96,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

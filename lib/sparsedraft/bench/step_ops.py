@@ -27,7 +27,7 @@ from ..engine.quant import check_draft_weights, draft_copy
 from ..engine.runtime import DTYPES
 from ..engine.rope import Angles
 from ..engine.weights import load_model
-from ..errors import require
+from ..errors import exit_with, require
 from .ar import random_cache
 from .record import finish_module
 from .timing import interleaved_runs, median_ms, seconds_of
@@ -125,4 +125,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -23,7 +23,7 @@ from ..engine import kernels, weights
 from ..engine.machine import peak_gflops, provenance
 from ..engine.roofline import measure_read_bandwidth, step_cost
 from ..engine.runtime import DTYPES
-from ..errors import require
+from ..errors import exit_with, require
 from .ar import random_cache
 from .kernel_timing import then_label
 from .kernels_at import kernels_at, revision
@@ -110,4 +110,4 @@ def _step(row: dict) -> StepRow:
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)
