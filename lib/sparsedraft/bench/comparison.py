@@ -58,7 +58,7 @@ from ..speculative.decoding import DecodeResult, decode
 from ..speculative.feature import feature_layers_of
 from ..speculative.loading import check_trained_for, drafter_kind
 from ..speculative.stats import TARGET
-from ..speculative.methods import METHODS, load_draft, method_options
+from ..speculative.methods import load_draft, method_options
 from .steps import StepRow, method_steps, step_row, steps_table
 from .timing import interleaved_runs, median_run
 
