@@ -61,7 +61,6 @@ def time_steps(model, context: int, tokens: list[int], against, read_bytes_per_s
             row = step_row(name, dtype, median_ms(seconds), step_cost(model.cfg, context, t, model.dtype.itemsize),
                            read_bytes_per_s, peak)
             rows.append({"method": method, **asdict(row), "same_logits_as_against": same})
-    del cache
     return rows
 
 
