@@ -36,7 +36,7 @@ from .budgetdraft.cli import add_train_parser, run_train_drafter
 from .cliopts import add_config_options, config_from_args, options_from_pairs, values_from_args
 from .engine import kernels
 from .engine.machine import provenance
-from .errors import SparsedraftError
+from .errors import status_of
 from .runner.cli import HELP as RUN_HELP
 from .runner.cli import add_run_parser, run_notebooks
 from .speculative.methods import METHODS
@@ -160,13 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a record names as its command
-    try:
+
+    def run() -> int | None:
         if kernels.enabled():  # a forced vector path this CPU lacks: one error now, not after a prefill
             kernels.check_isa(kernels.requested_isa())
-        return COMMANDS[args.command][2](args) or 0
-    except SparsedraftError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return COMMANDS[args.command][2](args)
+    return status_of(run)
 
 
 if __name__ == "__main__":

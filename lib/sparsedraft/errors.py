@@ -21,13 +21,18 @@ def require(condition: bool, message: str | Callable[[], str]) -> None:
         raise SparsedraftError(message() if callable(message) else message)
 
 
-def exit_with(main: Callable[[], int | None]) -> NoReturn:
-    """Run a command's ``main`` as ``python -m sparsedraft`` runs its own: exit with its status (0 for None), or
-    print a :class:`SparsedraftError` as one ``error:`` line and exit with status 2, not a traceback. For the
-    ``python -m sparsedraft.bench.<module>`` commands."""
+def status_of(main: Callable[[], int | None]) -> int:
+    """The exit status of a command's ``main``: its own (0 for None), or 2 with a :class:`SparsedraftError`
+    printed as one ``error:`` line on stderr instead of a traceback. ``python -m sparsedraft`` runs its commands
+    through it."""
     try:
-        status = main()
+        return main() or 0
     except SparsedraftError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(status or 0)
+        return 2
+
+
+def exit_with(main: Callable[[], int | None]) -> NoReturn:
+    """Exit with :func:`status_of` ``main``: how the ``python -m sparsedraft.bench.<module>`` commands end, so bad
+    input there gets the same one line as in ``python -m sparsedraft``."""
+    sys.exit(status_of(main))

@@ -36,7 +36,7 @@ from ..engine.data import corpus_tokens, model_tokenizer
 from ..engine.machine import provenance
 from ..engine.model import Transformer
 from ..engine.roofline import measure_read_bandwidth, step_cost
-from ..engine.runtime import DTYPES, synchronize
+from ..engine.runtime import dtype_name, synchronize
 from ..engine.weights import load_model
 from ..errors import exit_with, require
 from ..speculative.feature import Entries, FeatureHead
@@ -123,7 +123,7 @@ def step_roofline(verifier: Transformer, drafter: Transformer | FeatureHead, row
     (read once per step, counted as weights) and the head over its draft vocabulary; a slice drafter's is its
     own layers and head. Weights and cache are counted at the verifier's dtype."""
     size = verifier.dtype.itemsize
-    dtype = next(name for name, value in DTYPES.items() if value == verifier.dtype)
+    dtype = dtype_name(verifier.dtype)
     first = rows[0]
     layer = drafter.cfg  # a feature head's own config holds its layers only
     out = [step_row("decode", dtype, first.verifier_ms, step_cost(verifier.cfg, context, 1, size), read_bytes_per_s,

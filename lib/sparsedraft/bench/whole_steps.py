@@ -22,7 +22,7 @@ import torch
 from ..engine import kernels, weights
 from ..engine.machine import peak_gflops, provenance
 from ..engine.roofline import measure_read_bandwidth, step_cost
-from ..engine.runtime import DTYPES
+from ..engine.runtime import DTYPES, dtype_name
 from ..errors import exit_with, require
 from .ar import random_cache
 from .kernel_timing import then_label
@@ -40,7 +40,7 @@ def time_steps(model, context: int, tokens: list[int], against, read_bytes_per_s
     old, sha = against
     cache = random_cache(model, context, max(tokens))
     batch = torch.randint(0, model.cfg.vocab_size, (1, max(tokens)), generator=torch.Generator().manual_seed(0))
-    dtype = next(name for name, d in DTYPES.items() if d == model.dtype)
+    dtype = dtype_name(model.dtype)
     rows = []
     for t in tokens:
         def step():

@@ -16,6 +16,13 @@ from ..errors import SparsedraftError, require
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The :data:`DTYPES` name of ``dtype`` (what reports print and the per-dtype peaks are keyed by)."""
+    names = [name for name, value in DTYPES.items() if value == dtype]
+    require(bool(names), f"dtype {dtype} is not one of {tuple(DTYPES)} ({', '.join(map(str, DTYPES.values()))})")
+    return names[0]
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` is CUDA when available, else CPU; a CUDA device must exist."""
     if name == "auto":
