@@ -378,7 +378,8 @@ def _kernel_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
         weight = layer._parameters["weight"]
         return weight if weight.dtype == dtype and weight.is_contiguous() else None
     if isinstance(layer, Int8Linear):
-        return layer.weight_int8 if layer.weight_int8.is_contiguous() else None
+        weight = layer._buffers["weight_int8"]
+        return weight if weight.is_contiguous() else None
     return None
 
 
@@ -390,11 +391,14 @@ def _step_linears(block: "Block", x: torch.Tensor) -> tuple[list[torch.Tensor], 
     the layers hold the same weight tensors (an fp32 copy of each int8 scale per call was itself ~3% of an
     int8 step). Why two calls a layer: each of a step's ~200 calls paid microseconds of Python (what that
     saved: docs/engine.md, "A layer in two calls")."""
-    attn, mlp = block.self_attn, block.mlp
-    if (_GEMM_BATCHES.get() or attn.q_norm is not None or x.numel() > kernels.MAX_LINEAR_ROWS * x.shape[-1]
+    # Submodules straight from their dicts: nn.Module's __getattr__ took ~10% of an int8 draft step's Python.
+    attention = block._modules["self_attn"]
+    attn, mlp = attention._modules, block._modules["mlp"]._modules
+    if (_GEMM_BATCHES.get() or attention.q_norm is not None or x.numel() > kernels.MAX_LINEAR_ROWS * x.shape[-1]
             or not is_step(x)):
         return None
-    layers = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    layers = (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp["gate_proj"], mlp["up_proj"],
+              mlp["down_proj"])
     weights = [_kernel_weight(layer, x.dtype) for layer in layers]
     kept = block.__dict__.get("_step_linears")
     if kept is not None and kept[0] == x.dtype and all(a is b for a, b in zip(kept[1], weights)):
