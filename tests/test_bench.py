@@ -353,3 +353,7 @@ def test_whole_steps_time_a_tiny_model_on_both_builds_with_equal_logits():
     assert [(r["method"], r["step"]) for r in rows] == [("kernels", "decode"), (then, "decode"),
                                                          ("kernels", "verify-3"), (then, "verify-3")]
     assert all(r["same_logits_as_against"] and r["roofline_ms"] > 0 and r["context"] == 40 for r in rows)
+    with torch.inference_mode():  # the int8 draft copy's steps: a quarter of the weight bytes in the roofline
+        int8 = whole_steps.time_steps(model, 40, [1], against, 10e9, 10.0, warmup=0, repeats=1, draft_weights="int8")
+    assert all(r["same_logits_as_against"] and r["draft_weights"] == "int8" for r in int8)
+    assert int8[0]["gb"] < rows[0]["gb"]

@@ -73,7 +73,7 @@ def _self_draft_cache(method: str, opts: Any) -> int | None:
     return None
 
 
-def _draft_cost(cost: StepCost, cfg: ModelConfig, opts: Any, size: int) -> StepCost:
+def draft_cost(cost: StepCost, cfg: ModelConfig, opts: Any, size: int) -> StepCost:
     """``cost`` with the bytes a quantised self-draft level reads (``draft_weights`` / ``draft_kv``), scales
     included: int8 weights one byte a value (their one scale per output row left out), int4 weights half a
     byte plus a scale and an offset (the dtype's) per group, int8 KV one byte plus an fp32 scale per head
@@ -108,10 +108,10 @@ def method_steps(model_cfg: ModelConfig, dtype: str, method: str, opts: Any, con
             tokens = round(drafted[RETRIEVAL_LEVEL] / level2) + 1
             rows.append(step_row(f"level2 verify-{tokens}", dtype,
                                  1000 * seconds[region(RETRIEVAL_LEVEL, VERIFY)] / level2,
-                                 _draft_cost(step_cost(model_cfg, sparse, tokens, size), model_cfg, opts, size),
+                                 draft_cost(step_cost(model_cfg, sparse, tokens, size), model_cfg, opts, size),
                                  read_bytes_per_s, peak_gflops))
     elif drafted.get(TARGET) and seconds.get(DRAFT):
         rows.append(step_row("self draft", dtype, 1000 * seconds[DRAFT] / drafted[TARGET],
-                             _draft_cost(step_cost(model_cfg, sparse, 1, size), model_cfg, opts, size),
+                             draft_cost(step_cost(model_cfg, sparse, 1, size), model_cfg, opts, size),
                              read_bytes_per_s, peak_gflops))
     return rows

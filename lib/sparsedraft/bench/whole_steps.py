@@ -9,6 +9,9 @@ other build). The cache holds random keys and values (``bench.ar.random_cache``)
 on them, so 32K needs no prefill. Each step's logits must be bitwise equal on the two builds (a kernel change
 that moves bits changes the tokens) and the record says whether they were.
 
+``--draft-weights int8`` times the steps of the model's quantised draft copy instead (``engine.quant.draft_copy``:
+TriForce's level 2 and retrieval self-speculation draft with it), its roofline counting the int8 bytes.
+
 Not a test: ``python -m sparsedraft.bench.whole_steps --against REV``. Prints a table, then one JSON line.
 """
 
@@ -16,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import torch
 
 from ..engine import kernels, weights
 from ..engine.machine import peak_gflops, provenance
+from ..engine.quant import DRAFT_WEIGHTS, check_draft_weights, draft_copy
 from ..engine.roofline import measure_read_bandwidth, step_cost
 from ..engine.runtime import DTYPES, dtype_name
 from ..errors import exit_with, require
@@ -28,17 +33,20 @@ from .ar import random_cache
 from .kernel_timing import then_label
 from .kernels_at import kernels_at, revision
 from .record import finish_module
-from .steps import StepRow, step_row, steps_table
+from .steps import StepRow, draft_cost, step_row, steps_table
 from .timing import interleaved_runs, median_ms, seconds_of
 
 
 def time_steps(model, context: int, tokens: list[int], against, read_bytes_per_s: float, peak: float,
-               warmup: int = 1, repeats: int = 5) -> list[dict]:
+               warmup: int = 1, repeats: int = 5, draft_weights: str = "same") -> list[dict]:
     """For each step size in ``tokens``: one forward over ``context`` random cached tokens (rolled back after
     each) on this build and on ``against`` = (module, commit), interleaved; rows with ms, roofline and whether
-    the two builds' logits were bitwise equal."""
+    the two builds' logits were bitwise equal. ``draft_weights``: time the model's draft copy with those
+    weights instead, over the model's own cache (the KV stays in the model's dtype)."""
     old, sha = against
     cache = random_cache(model, context, max(tokens))
+    size = model.dtype.itemsize
+    model = draft_copy(model, draft_weights)
     batch = torch.randint(0, model.cfg.vocab_size, (1, max(tokens)), generator=torch.Generator().manual_seed(0))
     dtype = dtype_name(model.dtype)
     rows = []
@@ -58,9 +66,11 @@ def time_steps(model, context: int, tokens: list[int], against, read_bytes_per_s
                                 repeats)
         name = "decode" if t == 1 else f"verify-{t}"
         for method, seconds in runs.items():
-            row = step_row(name, dtype, median_ms(seconds), step_cost(model.cfg, context, t, model.dtype.itemsize),
-                           read_bytes_per_s, peak)
-            rows.append({"method": method, **asdict(row), "same_logits_as_against": same})
+            cost = draft_cost(step_cost(model.cfg, context, t, size), model.cfg,
+                              SimpleNamespace(draft_weights=draft_weights), size)
+            row = step_row(name, dtype, median_ms(seconds), cost, read_bytes_per_s, peak)
+            rows.append({"method": method, **asdict(row), "draft_weights": draft_weights,
+                         "same_logits_as_against": same})
     return rows
 
 
@@ -73,13 +83,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[8000])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 7])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--draft-weights", default="same", choices=DRAFT_WEIGHTS,
+                        help="time the model's draft copy with these weights (TriForce's level 2: int8)")
     parser.add_argument("--record", default="", metavar="PATH.json",
                         help="also write the rows as a results record (docs/results/)")
     args = parser.parse_args(argv)
     require(not args.record or args.record.endswith(".json"), f"--record takes a .json path, got {args.record!r}")
     require(all(t >= 1 for t in args.tokens) and args.repeats >= 1,
             f"--tokens must be >= 1 and --repeats >= 1, got {args.tokens} and {args.repeats}")
-    limit = weights.load_config(args.model).max_position_embeddings
+    cfg = weights.load_config(args.model)
+    check_draft_weights(args.draft_weights, cfg)
+    limit = cfg.max_position_embeddings
     require(max(args.context) + max(args.tokens) <= limit,
             f"context {max(args.context)} + {max(args.tokens)} tokens exceeds {args.model}'s {limit} positions"
             f"{weights.longer_context_hint(args.model, max(args.context) + max(args.tokens))}")
@@ -87,19 +101,21 @@ def main(argv: list[str] | None = None) -> None:
     require(kernels.available(), "the C++ kernels are unavailable here; there is nothing to compare")
     against = kernels_at(args.against)
     started = provenance()
-    model = weights.load_model(args.model, DTYPES[args.dtype])
+    model = weights.load_model(args.model, DTYPES[args.dtype]).eval()
     read = measure_read_bandwidth()
     peak = peak_gflops([args.dtype])[args.dtype]
     with torch.inference_mode():  # steps take the kernels only without autograd, as decoding runs them
         rows = [row for context in args.context
-                for row in time_steps(model, context, args.tokens, against, read, peak, repeats=args.repeats)]
+                for row in time_steps(model, context, args.tokens, against, read, peak, repeats=args.repeats,
+                                      draft_weights=args.draft_weights)]
     print(f"kernels: {kernels.path()}; read {read / 1e9:.1f} GB/s, {args.dtype} peak {peak:.1f} GFLOP/s; "
           f"against {against[1][:10]}")
     for method in dict.fromkeys(r["method"] for r in rows):
         print(method)
         print(steps_table([_step(r) for r in rows if r["method"] == method]))
     print("logits bitwise equal on both builds:", all(r["same_logits_as_against"] for r in rows))
-    result = {"bench": "whole_steps", "model": args.model, "kernels": kernels.path(), "against": against[1],
+    result = {"bench": "whole_steps", "model": args.model, "draft_weights": args.draft_weights,
+              "kernels": kernels.path(), "against": against[1],
               "peak_gflops": peak, "rows": rows}
     finish_module(args.record, "whole_steps", argv, result, started, read / 1e9)
 
