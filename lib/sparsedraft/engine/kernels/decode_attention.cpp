@@ -37,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -250,29 +251,53 @@ void score_keys(const float* qt, const float* k, float* s, int64_t D, int64_t rp
 #endif
 }
 
+// How far ahead of the key block being scored the rows path asks for its keys (where the caller lets it: float
+// keys read in place), on AVX2 builds. The keys of a chunk asked for all at once while the previous chunk's
+// exponentials were taken (what the AVX-512 build still does) left a 2-core Zen 3 EPYC's scoring waiting on
+// them: a step's rows-path attention over 32K fp32 keys took 7-11% longer than with this, 5% at 8K (T = 3-7,
+// same process, scratch in the message of the commit that added this).
+#if SPARSEDRAFT_REGISTER_BLOCKS
+constexpr int64_t kKeysAhead = 2048;
+#else
+constexpr int64_t kKeysAhead = 0;
+#endif
+
 // Scores of keys [j0, j1) against all rows: groups of up to three row vectors, keys in blocks.
 // While the first row group scores a key block, the values of those keys (next) are fetched into
-// cache, so memory keeps streaming while the scores are computed rather than after.
-template <int NV>
+// cache, so memory keeps streaming while the scores are computed rather than after; with ``keys`` (the
+// same rows as k, read in place) and kKeysAhead, the keys kKeysAhead bytes on are asked for too.
+template <int NV, bool Ahead>
 void score_rows(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t v0, int64_t len,
                 const char* next, int64_t next_bytes_per_key) {
   constexpr int KB = std::clamp(kAccFloats / (NV * static_cast<int>(kLanes)), 1, NV * kLanes <= 16 ? 8 : 4);
+  const int64_t key_bytes = D * static_cast<int64_t>(sizeof(float));
   int64_t j = 0;
   for (; j + KB <= len; j += KB) {
     if (next != nullptr)
       for (int64_t b = j * next_bytes_per_key; b < (j + KB) * next_bytes_per_key; b += 64) prefetch_l2(next + b);
+    if constexpr (Ahead) {
+      const char* keys = reinterpret_cast<const char*>(k) + kKeysAhead;
+      for (int64_t b = j * key_bytes; b < (j + KB) * key_bytes; b += 64) prefetch_l2(keys + b);
+    }
     score_keys<KB, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
   }
   for (; j < len; ++j) score_keys<1, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
 }
 
+// ``Ahead``: k is the keys as they lie in memory, asked for kKeysAhead bytes before they are scored (the
+// caller then need not ask for this chunk's keys itself); not for keys widened into scratch.
+template <bool Ahead = false>
 void score(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t len, const char* next,
            int64_t next_bytes_per_key) {
   int64_t v0 = 0;
-  for (; v0 + 3 * kLanes <= rp; v0 += 3 * kLanes, next = nullptr)
-    score_rows<3>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
-  if (rp - v0 == 2 * kLanes) score_rows<2>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
-  if (rp - v0 == kLanes) score_rows<1>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
+  if (rp >= 3 * kLanes) {  // the first group asks for the keys; the rest find them in cache
+    score_rows<3, Ahead>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
+    for (v0 = 3 * kLanes; v0 + 3 * kLanes <= rp; v0 += 3 * kLanes)
+      score_rows<3, false>(qt, k, s, D, rp, v0, len, nullptr, next_bytes_per_key);
+    next = nullptr;
+  }
+  if (rp - v0 == 2 * kLanes) score_rows<2, Ahead>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
+  if (rp - v0 == kLanes) score_rows<1, Ahead>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
 }
 
 // o[RB rows][DW columns from d0] += sum over keys j in [j0, j1) of p[j][r0 + row] * v[j][d0 + col],
@@ -738,9 +763,13 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
   float* s = on_lines(scratch.scores, kChunk * rp);
 
   const float* k = as_floats(kc, len * D, scratch.keys);
-  score(qt, k, s, D, rp, len, reinterpret_cast<const char*>(vc), D * static_cast<int64_t>(sizeof(scalar_t)));
+  // float keys are read in place and asked for ahead of the scoring (which reaches into the next chunk's, when
+  // it follows in memory); others (bf16, widened into scratch) have the next chunk's asked for in the softmax
+  constexpr bool in_place = std::is_same_v<scalar_t, float> && kKeysAhead > 0;
+  score<in_place>(qt, k, s, D, rp, len, reinterpret_cast<const char*>(vc),
+                  D * static_cast<int64_t>(sizeof(scalar_t)));
 
-  const int64_t seen_by_all = softmax_by_rows(sh, s, c0, len, next_k, next_len, scratch, m, l);
+  const int64_t seen_by_all = softmax_by_rows(sh, s, c0, len, next_k, in_place ? 0 : next_len, scratch, m, l);
   const int64_t* seen = scratch.seen.data();
 
   const float* v = as_floats(vc, len * D, scratch.values);
