@@ -357,3 +357,12 @@ def test_whole_steps_time_a_tiny_model_on_both_builds_with_equal_logits():
         int8 = whole_steps.time_steps(model, 40, [1], against, 10e9, 10.0, warmup=0, repeats=1, draft_weights="int8")
     assert all(r["same_logits_as_against"] and r["draft_weights"] == "int8" for r in int8)
     assert int8[0]["gb"] < rows[0]["gb"]
+
+
+def test_interleaved_runs_alternate_their_order_each_round():
+    """A B, then B A: no runner always goes first in its round (the first of a round ran slower in A/Bs)."""
+    from sparsedraft.bench.timing import interleaved_runs
+    order = []
+    runs = interleaved_runs({"a": lambda: order.append("a") or 1, "b": lambda: order.append("b") or 2}, 1, 3)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert runs == {"a": [1, 1, 1], "b": [2, 2, 2]}

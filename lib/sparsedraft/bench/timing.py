@@ -20,8 +20,11 @@ R = TypeVar("R")
 
 def interleaved_runs(runners: dict[str, Callable[[], R]], warmup: int, repeats: int,
                      progress: bool = False) -> dict[str, list[R]]:
-    """Name -> its ``repeats`` timed results, after ``warmup`` discarded runs of each runner."""
-    steps = [(name, i >= warmup) for i in range(warmup + repeats) for name in runners]
+    """Name -> its ``repeats`` timed results, after ``warmup`` discarded runs of each runner. Each round runs
+    them in the other order from the round before (A B, B A, ...): in A/Bs of two kernel builds on a 2-core EPYC
+    whichever ran first in a round was the slower by 5-10%, whichever build it was."""
+    names = list(runners)
+    steps = [(name, i >= warmup) for i in range(warmup + repeats) for name in (names if i % 2 == 0 else names[::-1])]
     kept: dict[str, list[R]] = {name: [] for name in runners}
     for name, timed in bar(steps, desc="bench", show=progress):
         result = runners[name]()
