@@ -260,6 +260,24 @@ def test_the_speed_record_turns_notebook_06s_timed_runs_into_results_rows(tmp_pa
             "| 128 greedy | 99.0 | 94.3 | **1.05x** (model 1.15x) | 0.28 | yes | 2026-12-05, abababa |") in lines[3]
 
 
+def test_the_speed_record_names_the_head_behind_prompt_lookup_and_lookup_alone(tmp_path):
+    """Notebook 06 also times the head behind prompt lookup (feature_draft_lookup) and prompt lookup alone, with
+    its confidence stop where set: each row carries the options it ran with."""
+    from sparsedraft.runner.results import record_speed
+    run = _speed_run(tmp_path / "outputs", label="EAGLE behind prompt lookup")
+    parameters = json.loads((run / "parameters.json").read_text())
+    (run / "parameters.json").write_text(json.dumps({**parameters, "feature_draft_lookup": 0.5,
+                                                     "feature_draft_confidence": 0.4}))
+    with (run / "feature_speed.csv").open("a") as table:
+        table.write("16384,prompt lookup,,1.5,1.6,66.0,99.0,2.4,0.5,0.45,0.3,120.0,True,27.0\n")
+    rows = json.loads(record_speed(tmp_path / "outputs", "budgetdraft-long", tmp_path / "results").read_text())
+    options = [r["options"] for r in rows["result"]["rows"]]
+    assert options[0] == {"draft": "feature", "draft_cache": "full", "gamma": 4, "draft_vocab": 8192,
+                          "draft_confidence": 0.4}
+    assert options[1] == {**options[0], "draft_lookup": 0.5}
+    assert options[-1] == {"draft": "ngram", "gamma": 4}
+
+
 def test_the_speed_record_refuses_a_row_it_cannot_name(tmp_path):
     from sparsedraft.runner.results import record_speed
     _speed_run(tmp_path / "outputs", label="Medusa (tree)")

@@ -41,8 +41,9 @@ SPEED_RECORD = "budgetdraft-speed-{profile}.json"
 SPEED_NOTEBOOK = "06"
 SPEED = "feature_speed.csv"  # notebook 06's timed runs of the feature drafter
 # Notebook 06's row labels and the decode() method each one ran
-SPEED_METHODS = {"EAGLE (full cache)": "spec", "BudgetDraft (budget cache)": "budgetdraft",
-                 "TriForce, feature level 1": "triforce", "TriForce, prompt lookup level 1": "triforce"}
+SPEED_METHODS = {"EAGLE (full cache)": "spec", "EAGLE behind prompt lookup": "spec", "prompt lookup": "spec",
+                 "BudgetDraft (budget cache)": "budgetdraft", "TriForce, feature level 1": "triforce",
+                 "TriForce, prompt lookup level 1": "triforce"}
 
 
 def _row(method: str, options: dict[str, Any], context: int, run: dict[str, Any], tokens: int) -> dict[str, Any]:
@@ -139,21 +140,27 @@ def record_curve(outputs: str | Path = "outputs", profile: str = "cpu", folder: 
 
 def speed_rows(folder: Path) -> list[dict[str, Any]]:
     """Notebook 06's timed runs of the feature drafter in ``folder`` (one compare per speed context, every row
-    checked against plain decoding): EAGLE over its full cache, BudgetDraft over its budget cache, TriForce with
-    it and with prompt lookup at level 1, each with the cost model's prediction from the run's own parts. The
-    context is the prompt's length, as in every other row of the results table."""
+    checked against plain decoding): EAGLE over its full cache (alone, and behind prompt lookup where the run
+    timed that, with prompt lookup alone beside it), BudgetDraft over its budget cache, TriForce with it and with
+    prompt lookup at level 1, each with the cost model's prediction from the run's own parts. The context is the
+    prompt's length, as in every other row of the results table."""
     p = json.loads((folder / PARAMETERS_FILE).read_text())
     tokens, gamma, vocab = p["speed_tokens"], p["gamma"], p["feature_draft_vocab"]
     gamma1, gamma2 = p["triforce_gammas"]
+    stop = {"draft_confidence": p["feature_draft_confidence"]} if p.get("feature_draft_confidence") else {}
     rows = []
     for r in read_table(folder / SPEED):
         method = SPEED_METHODS.get(r["method"])
         require(method is not None, f"{folder / SPEED} names a method {r['method']!r} this reader does not know "
                                     f"({sorted(SPEED_METHODS)}); add it to runner.results.SPEED_METHODS")
-        if method == "spec":
-            options = {"draft": "feature", "draft_cache": "full", "gamma": gamma, "draft_vocab": vocab}
+        if r["method"] == "prompt lookup":
+            options = {"draft": "ngram", "gamma": gamma}
+        elif method == "spec":
+            options = {"draft": "feature", "draft_cache": "full", "gamma": gamma, "draft_vocab": vocab, **stop}
+            if "prompt lookup" in r["method"]:
+                options["draft_lookup"] = p["feature_draft_lookup"]
         elif method == "budgetdraft":
-            options = {"draft": "feature", "budget": int(r["budget"]), "gamma": gamma, "draft_vocab": vocab}
+            options = {"draft": "feature", "budget": int(r["budget"]), "gamma": gamma, "draft_vocab": vocab, **stop}
         else:
             options = {"draft": "ngram" if "prompt lookup" in r["method"] else "feature", "budget": int(r["budget"]),
                        "gamma1": gamma1, "gamma2": gamma2}
