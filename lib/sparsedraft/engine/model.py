@@ -391,7 +391,8 @@ def _step_linears(block: "Block", x: torch.Tensor) -> tuple[list[torch.Tensor], 
     the layers hold the same weight tensors (an fp32 copy of each int8 scale per call was itself ~3% of an
     int8 step). Why two calls a layer: each of a step's ~200 calls paid microseconds of Python (what that
     saved: docs/engine.md, "A layer in two calls")."""
-    # Submodules straight from their dicts: nn.Module's __getattr__ took ~10% of an int8 draft step's Python.
+    # Submodules straight from their dicts, not through nn.Module's __getattr__ (which cProfile put among the top
+    # costs of an int8 draft step's Python; what this saved: docs/engine.md, "Quantised draft levels").
     attention = block._modules["self_attn"]
     attn, mlp = attention._modules, block._modules["mlp"]._modules
     if (_GEMM_BATCHES.get() or attention.q_norm is not None or x.numel() > kernels.MAX_LINEAR_ROWS * x.shape[-1]

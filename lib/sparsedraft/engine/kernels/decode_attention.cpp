@@ -264,40 +264,36 @@ constexpr int64_t kKeysAhead = 0;
 
 // Scores of keys [j0, j1) against all rows: groups of up to three row vectors, keys in blocks.
 // While the first row group scores a key block, the values of those keys (next) are fetched into
-// cache, so memory keeps streaming while the scores are computed rather than after; with ``keys`` (the
-// same rows as k, read in place) and kKeysAhead, the keys kKeysAhead bytes on are asked for too.
-template <int NV, bool Ahead>
+// cache, so memory keeps streaming while the scores are computed rather than after; with ``keys`` (k's rows as
+// they lie in memory) the keys kKeysAhead bytes on are asked for too (past the last key, a prefetch of memory
+// that may not be the tensor's: a prefetch never faults).
+template <int NV>
 void score_rows(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t v0, int64_t len,
-                const char* next, int64_t next_bytes_per_key) {
+                const char* next, int64_t next_bytes_per_key, const char* keys) {
   constexpr int KB = std::clamp(kAccFloats / (NV * static_cast<int>(kLanes)), 1, NV * kLanes <= 16 ? 8 : 4);
   const int64_t key_bytes = D * static_cast<int64_t>(sizeof(float));
   int64_t j = 0;
   for (; j + KB <= len; j += KB) {
     if (next != nullptr)
       for (int64_t b = j * next_bytes_per_key; b < (j + KB) * next_bytes_per_key; b += 64) prefetch_l2(next + b);
-    if constexpr (Ahead) {
-      const char* keys = reinterpret_cast<const char*>(k) + kKeysAhead;
-      for (int64_t b = j * key_bytes; b < (j + KB) * key_bytes; b += 64) prefetch_l2(keys + b);
-    }
+    if (keys != nullptr)
+      for (int64_t b = j * key_bytes; b < (j + KB) * key_bytes; b += 64) prefetch_l2(keys + kKeysAhead + b);
     score_keys<KB, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
   }
   for (; j < len; ++j) score_keys<1, NV>(qt, k + j * D, s + j * rp, D, rp, v0);
 }
 
-// ``Ahead``: k is the keys as they lie in memory, asked for kKeysAhead bytes before they are scored (the
-// caller then need not ask for this chunk's keys itself); not for keys widened into scratch.
-template <bool Ahead = false>
+// ``ahead``: k is the keys as they lie in memory, to be asked for kKeysAhead bytes before they are scored (the
+// caller then need not ask for this chunk's keys itself); false for keys widened into scratch. Only the first
+// row group asks, for the keys as for the values; the others find both in cache.
 void score(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int64_t len, const char* next,
-           int64_t next_bytes_per_key) {
+           int64_t next_bytes_per_key, bool ahead = false) {
+  const char* keys = ahead && kKeysAhead > 0 ? reinterpret_cast<const char*>(k) : nullptr;
   int64_t v0 = 0;
-  if (rp >= 3 * kLanes) {  // the first group asks for the keys; the rest find them in cache
-    score_rows<3, Ahead>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
-    for (v0 = 3 * kLanes; v0 + 3 * kLanes <= rp; v0 += 3 * kLanes)
-      score_rows<3, false>(qt, k, s, D, rp, v0, len, nullptr, next_bytes_per_key);
-    next = nullptr;
-  }
-  if (rp - v0 == 2 * kLanes) score_rows<2, Ahead>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
-  if (rp - v0 == kLanes) score_rows<1, Ahead>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key);
+  for (; v0 + 3 * kLanes <= rp; v0 += 3 * kLanes, next = nullptr, keys = nullptr)
+    score_rows<3>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key, keys);
+  if (rp - v0 == 2 * kLanes) score_rows<2>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key, keys);
+  if (rp - v0 == kLanes) score_rows<1>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key, keys);
 }
 
 // o[RB rows][DW columns from d0] += sum over keys j in [j0, j1) of p[j][r0 + row] * v[j][d0 + col],
@@ -766,8 +762,8 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
   // float keys are read in place and asked for ahead of the scoring (which reaches into the next chunk's, when
   // it follows in memory); others (bf16, widened into scratch) have the next chunk's asked for in the softmax
   constexpr bool in_place = std::is_same_v<scalar_t, float> && kKeysAhead > 0;
-  score<in_place>(qt, k, s, D, rp, len, reinterpret_cast<const char*>(vc),
-                  D * static_cast<int64_t>(sizeof(scalar_t)));
+  score(qt, k, s, D, rp, len, reinterpret_cast<const char*>(vc), D * static_cast<int64_t>(sizeof(scalar_t)),
+        in_place);
 
   const int64_t seen_by_all = softmax_by_rows(sh, s, c0, len, next_k, in_place ? 0 : next_len, scratch, m, l);
   const int64_t* seen = scratch.seen.data();
