@@ -254,7 +254,7 @@ void score_keys(const float* qt, const float* k, float* s, int64_t D, int64_t rp
 // How far ahead of the key block being scored the rows path asks for its keys (where the caller lets it: float
 // keys read in place), on AVX2 builds. The keys of a chunk asked for all at once while the previous chunk's
 // exponentials were taken (what the AVX-512 build still does) left a 2-core Zen 3 EPYC's scoring waiting on
-// them: with this, the rows path's fp32 attention over 30 layers took 2-8% less time at 8K and 32K, 3-16
+// them: with this, the rows path's fp32 attention over 30 layers took 1-8% less time at 8K and 32K, 3-16
 // tokens, both builds in one process (docs/results/attention-keys-ahead-ab.json).
 #if SPARSEDRAFT_REGISTER_BLOCKS
 constexpr int64_t kKeysAhead = 2048;
