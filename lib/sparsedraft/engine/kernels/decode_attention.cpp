@@ -296,31 +296,80 @@ void score(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int
   if (rp - v0 == kLanes) score_rows<1>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key, keys);
 }
 
+#if SPARSEDRAFT_REGISTER_BLOCKS
+// Where the register blocks below read values: float rows in place, or int8 codes with a scale per key (an
+// int8 draft view, attend_int8), widened in registers to float(code) * scale, the float the dequantising copy
+// stores; so an int8 view's values weigh without that copy, to the same bits.
+struct FloatValues {
+  const float* v;
+  int64_t D;
+  __m256 load8(int64_t j, int64_t d) const { return _mm256_loadu_ps(v + j * D + d); }
+};
+struct Int8Values {
+  const int8_t* codes;
+  const float* scales;
+  int64_t D;
+  __m256 load8(int64_t j, int64_t d) const {
+    const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j * D + d)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(scales[j]));
+  }
+};
+
+// weigh_values's chains (below) with each key's values loaded once into registers (written as loops, the
+// compiler re-read them for every row), DW a multiple of 8.
+template <int RB, int DW, class Values>
+void weigh_registers(const float* p, int64_t pk, int64_t pr, const Values& v, int64_t D, int64_t r0, int64_t d0,
+                     int64_t j0, int64_t j1, float* o) {
+  static_assert(DW % 8 == 0);
+  constexpr int NW = DW / 8;
+  __m256 acc[RB][NW];
+  for (int rr = 0; rr < RB; ++rr)
+    for (int w = 0; w < NW; ++w) acc[rr][w] = _mm256_loadu_ps(o + (r0 + rr) * D + d0 + 8 * w);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 vj[NW];
+    for (int w = 0; w < NW; ++w) vj[w] = in_register(v.load8(j, d0 + 8 * w));
+    for (int rr = 0; rr < RB; ++rr) {
+      const __m256 pj = _mm256_set1_ps(p[j * pk + (r0 + rr) * pr]);
+      for (int w = 0; w < NW; ++w) acc[rr][w] = _mm256_fmadd_ps(pj, vj[w], acc[rr][w]);
+    }
+  }
+  for (int rr = 0; rr < RB; ++rr)
+    for (int w = 0; w < NW; ++w) _mm256_storeu_ps(o + (r0 + rr) * D + d0 + 8 * w, acc[rr][w]);
+}
+
+// Columns [d0, d0 + DW) of rows [r0, r1): four rows at a time, the leftover rows as one block.
+template <int DW, class Values>
+void weigh_tile_registers(const float* p, int64_t pk, int64_t pr, const Values& v, int64_t D, int64_t r0,
+                          int64_t r1, int64_t d0, int64_t j0, int64_t j1, float* o) {
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) weigh_registers<4, DW>(p, pk, pr, v, D, r, d0, j0, j1, o);
+  switch (r1 - r) {
+    case 3: weigh_registers<3, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
+    case 2: weigh_registers<2, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
+    case 1: weigh_registers<1, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
+    default: break;
+  }
+}
+
+// Rows [r0, r1) over keys [j0, j1), D a multiple of 8: column tiles of 24, then one of 16 or 8. Twelve
+// accumulators, three registers of values and a broadcast fill AVX2's sixteen, with 7 loads per 12
+// multiply-adds.
+template <class Values>
+void weigh_in_registers(const float* p, int64_t pk, int64_t pr, const Values& v, int64_t D, int64_t r0,
+                        int64_t r1, int64_t j0, int64_t j1, float* o) {
+  int64_t d0 = 0;
+  for (; d0 + 24 <= D; d0 += 24) weigh_tile_registers<24>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+  if (D - d0 == 16) weigh_tile_registers<16>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+  if (D - d0 == 8) weigh_tile_registers<8>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+}
+#endif
+
 // o[RB rows][DW columns from d0] += sum over keys j in [j0, j1) of p[j][r0 + row] * v[j][d0 + col],
 // one madd per key in key order for every (row, column). p[j][r] sits at p[j * pk + r * pr]: rows as
 // lanes (pk = rp, pr = 1) or keys as lanes (pk = 1, pr = kChunk).
 template <int RB, int DW>
 void weigh_values(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t d0,
                   int64_t j0, int64_t j1, float* o) {
-#if SPARSEDRAFT_REGISTER_BLOCKS
-  if constexpr (DW % 8 == 0) {  // the same chains with each key's values loaded once into registers
-    constexpr int NW = DW / 8;
-    __m256 acc[RB][NW];
-    for (int rr = 0; rr < RB; ++rr)
-      for (int w = 0; w < NW; ++w) acc[rr][w] = _mm256_loadu_ps(o + (r0 + rr) * D + d0 + 8 * w);
-    for (int64_t j = j0; j < j1; ++j) {
-      __m256 vj[NW];
-      for (int w = 0; w < NW; ++w) vj[w] = in_register(_mm256_loadu_ps(v + j * D + d0 + 8 * w));
-      for (int rr = 0; rr < RB; ++rr) {
-        const __m256 pj = _mm256_set1_ps(p[j * pk + (r0 + rr) * pr]);
-        for (int w = 0; w < NW; ++w) acc[rr][w] = _mm256_fmadd_ps(pj, vj[w], acc[rr][w]);
-      }
-    }
-    for (int rr = 0; rr < RB; ++rr)
-      for (int w = 0; w < NW; ++w) _mm256_storeu_ps(o + (r0 + rr) * D + d0 + 8 * w, acc[rr][w]);
-    return;
-  }
-#endif
   float acc[RB][DW];
   for (int rr = 0; rr < RB; ++rr)
 #pragma omp simd
@@ -368,15 +417,7 @@ void weigh_rows(const float* p, int64_t pk, int64_t pr, const float* v, int64_t 
 void weigh(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
            int64_t j0, int64_t j1, float* o) {
 #if SPARSEDRAFT_REGISTER_BLOCKS
-  // Column tiles of 24, then one of 16 or 8, four rows at a time: twelve accumulators, three registers of values
-  // and a broadcast fill AVX2's sixteen, with 7 loads per 12 multiply-adds.
-  if (D % 8 == 0) {
-    int64_t d0 = 0;
-    for (; d0 + 24 <= D; d0 += 24) weigh_tile<24, 4>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
-    if (D - d0 == 16) weigh_tile<16, 4>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
-    if (D - d0 == 8) weigh_tile<8, 4>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
-    return;
-  }
+  if (D % 8 == 0) return weigh_in_registers(p, pk, pr, FloatValues{v, D}, D, r0, r1, j0, j1, o);
 #endif
   if (D % 64 == 0 && kAccFloats >= 3 * 64) {
     weigh_rows<64>(p, pk, pr, v, D, r0, r1, j0, j1, o);
@@ -425,6 +466,11 @@ inline __m128 load4(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift:
   const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
 }
+inline __m128 load4(const int8_t* p) {  // int8 codes -> fp32: exact (the caller applies the key's scale)
+  int32_t bytes;
+  std::memcpy(&bytes, p, sizeof(bytes));
+  return _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(bytes)));
+}
 
 // Four columns of eight keys: a[i] holds key i's four values in its low half and key i + 4's in its
 // high half; an in-lane 4x4 transpose then gives column c of all eight keys in col[c].
@@ -464,16 +510,20 @@ inline void transpose8_into(const scalar_t* k, int64_t D, float* kt) {
 // transposed in registers and multiplied straight into the rows' accumulators (eight keys per vector),
 // d in order from 0, so every (key, row) gets score_by_keys's chain and bits. Keys past the last whole
 // block of eight take the same chain one at a time. Storing kt and reading it back was the larger part
-// of a decode's attention.
+// of a decode's attention. int8 codes (scalar_t int8_t, an int8 draft view) come with a scale per key
+// (`scales`, else unused): each column of eight keys is multiplied by their scales, which gives
+// float(code) * scale, the float dequantize_keys stores, so they score to the bits of that copy, without it.
 constexpr int64_t kFusedRows = 6;
 
 template <int R, typename scalar_t>
-void score_keys_fused(const float* qt, int64_t rp, const scalar_t* k, int64_t len, int64_t D, float* s,
-                      const char* values, int64_t value_bytes, const char* next_keys, int64_t next_bytes) {
+void score_keys_fused(const float* qt, int64_t rp, const scalar_t* k, const float* scales, int64_t len, int64_t D,
+                      float* s, const char* values, int64_t value_bytes, const char* next_keys, int64_t next_bytes) {
+  constexpr bool coded = std::is_same_v<scalar_t, int8_t>;
   const int64_t j8 = len / 8 * 8;
   for (int64_t j0 = 0; j0 < j8; j0 += 8) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256 key_scales = coded ? _mm256_loadu_ps(scales + j0) : _mm256_setzero_ps();
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
       // This block's share of the prefetches, a few lines per column step (positions counted in key floats:
       // step d0 of block j0 covers [j0 * D + 8 * d0, + 64)). One burst of 32 lines per block filled the
@@ -483,6 +533,8 @@ void score_keys_fused(const float* qt, int64_t rp, const scalar_t* k, int64_t le
       prefetch_share(values, value_bytes, next_keys, next_bytes, len * D, j0 * D + d0 * 8, j0 * D + d0 * 8 + 64);
       __m256 col[8];
       transpose8(k + j0 * D + d0, D, col);
+      if constexpr (coded)
+        for (int i = 0; i < 8; ++i) col[i] = _mm256_mul_ps(col[i], key_scales);
       for (int i = 0; i < 8; ++i)
         for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(col[i], _mm256_set1_ps(qt[(d0 + i) * rp + r]), acc[r]);
     }
@@ -492,22 +544,26 @@ void score_keys_fused(const float* qt, int64_t rp, const scalar_t* k, int64_t le
   for (int64_t j = j8; j < len; ++j)
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) acc = madd(to_float(k[j * D + d]), qt[d * rp + r], acc);
+      for (int64_t d = 0; d < D; ++d) {
+        const float kd = coded ? static_cast<float>(k[j * D + d]) * scales[j] : to_float(k[j * D + d]);
+        acc = madd(kd, qt[d * rp + r], acc);
+      }
       s[r * kChunk + j] = acc;
     }
 }
 
 // The fused scoring for R rows, if there is one for this build, R and D; false: take transpose + score.
 template <typename scalar_t>
-bool score_fused(const float* qt, int64_t rp, const scalar_t* k, int64_t len, int64_t D, int64_t R, float* s,
-                 const char* values, int64_t value_bytes, const char* next_keys, int64_t next_bytes) {
+bool score_fused(const float* qt, int64_t rp, const scalar_t* k, const float* scales, int64_t len, int64_t D,
+                 int64_t R, float* s, const char* values, int64_t value_bytes, const char* next_keys,
+                 int64_t next_bytes) {
   if (D % 8 != 0 || R > kFusedRows) return false;
-  using Fn = void (*)(const float*, int64_t, const scalar_t*, int64_t, int64_t, float*, const char*, int64_t,
-                      const char*, int64_t);
+  using Fn = void (*)(const float*, int64_t, const scalar_t*, const float*, int64_t, int64_t, float*, const char*,
+                      int64_t, const char*, int64_t);
   static constexpr Fn kByRows[kFusedRows] = {score_keys_fused<1, scalar_t>, score_keys_fused<2, scalar_t>,
                                              score_keys_fused<3, scalar_t>, score_keys_fused<4, scalar_t>,
                                              score_keys_fused<5, scalar_t>, score_keys_fused<6, scalar_t>};
-  kByRows[R - 1](qt, rp, k, len, D, s, values, value_bytes, next_keys, next_bytes);
+  kByRows[R - 1](qt, rp, k, scales, len, D, s, values, value_bytes, next_keys, next_bytes);
   return true;
 }
 #endif  // __FMA__
@@ -644,7 +700,7 @@ template <typename scalar_t>
 void score_keys_block(const float* qt, int64_t rp, const scalar_t* k, int64_t n, int64_t D, int64_t R, float* s,
                       const char* values, int64_t bytes, Scratch& scratch) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (score_fused(qt, rp, k, n, D, R, s, values, bytes, nullptr, 0)) return;
+  if (score_fused(qt, rp, k, static_cast<const float*>(nullptr), n, D, R, s, values, bytes, nullptr, 0)) return;
 #endif
   transpose_keys(k, n, D, scratch.keys_t.data(), values, bytes, nullptr, 0);
   score_by_keys(qt, rp, scratch.keys_t.data(), s, D, R, n);
@@ -1172,6 +1228,9 @@ struct Int8Keys {
     dequantize_keys(codes, D, scales, tail, n_codes, c0, len, D, out);
   }
   const char* code_bytes(int64_t key) const { return reinterpret_cast<const char*>(codes + key * D); }
+#if SPARSEDRAFT_REGISTER_BLOCKS
+  Int8Values from(int64_t key) const { return {codes + key * D, scales + key, D}; }  // keys key.. as codes
+#endif
 };
 
 constexpr int64_t kInt8Block = 32;  // keys dequantised at a time: 8 KiB of floats, in L1
@@ -1193,10 +1252,17 @@ void attend_chunk_int8(const Shape& sh, const float* qt, const Int8Keys& kq, con
   const int64_t coded = std::clamp<int64_t>(kq.n_codes - c0, 0, len);  // this chunk's keys held as codes
   for (int64_t j0 = 0; j0 < len; j0 += kInt8Block) {
     const int64_t n = std::min(kInt8Block, len - j0);
-    kq.floats(c0 + j0, n, block);
     // the same keys' value codes come in while these are scored
     const int64_t vn = std::clamp<int64_t>(coded - j0, 0, n);
     const char* values = vn > 0 ? vq.code_bytes(c0 + j0) : nullptr;
+#if SPARSEDRAFT_REGISTER_BLOCKS
+    // a block of codes scored straight from them (score_keys_fused), keys as lanes
+    if (by_keys && vn == n &&
+        score_fused(qt, rp, kq.codes + (c0 + j0) * D, kq.scales + c0 + j0, n, D, R, s + j0, values, n * D,
+                    nullptr, 0))
+      continue;
+#endif
+    kq.floats(c0 + j0, n, block);
     if (by_keys) {
       score_keys_block(qt, rp, block, n, D, R, s + j0, values, vn * D, scratch);
     } else {
@@ -1212,13 +1278,25 @@ void attend_chunk_int8(const Shape& sh, const float* qt, const Int8Keys& kq, con
   std::fill(o, o + R * D, 0.0f);
   for (int64_t j0 = 0; j0 < last; j0 += kInt8Block) {
     const int64_t j1 = std::min(last, j0 + kInt8Block);
-    vq.floats(c0 + j0, j1 - j0, block);
     const float* p = s + j0 * pk;  // weigh reads p[j * pk + r * pr] for keys j from j0
-    if (seen_by_all > j0) weigh(p, pk, pr, block, D, 0, R, 0, std::min(j1, seen_by_all) - j0, o);
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t from = std::max(j0, seen_by_all), to = std::min(j1, seen[r]);
-      if (to > from) weigh(p, pk, pr, block, D, r, r + 1, from - j0, to - j0, o);
+    const auto weigh_block = [&](auto&& weigh_rows_of) {
+      if (seen_by_all > j0) weigh_rows_of(0, R, 0, std::min(j1, seen_by_all) - j0);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t from = std::max(j0, seen_by_all), to = std::min(j1, seen[r]);
+        if (to > from) weigh_rows_of(r, r + 1, from - j0, to - j0);
+      }
+    };
+#if SPARSEDRAFT_REGISTER_BLOCKS
+    if (j1 <= coded && D % 8 == 0) {  // a block of codes weighed straight from them
+      const Int8Values codes = vq.from(c0 + j0);
+      weigh_block([&](int64_t r0, int64_t r1, int64_t a, int64_t b) {
+        weigh_in_registers(p, pk, pr, codes, D, r0, r1, a, b, o);
+      });
+      continue;
     }
+#endif
+    vq.floats(c0 + j0, j1 - j0, block);
+    weigh_block([&](int64_t r0, int64_t r1, int64_t a, int64_t b) { weigh(p, pk, pr, block, D, r0, r1, a, b, o); });
   }
 }
 
