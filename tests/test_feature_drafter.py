@@ -109,12 +109,14 @@ PROMPT = torch.tensor([[3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 1, 4]])
 SAMPLES = 3_000  # full runs of a real head (~10-20 ms each on a busy 2-core CPU)
 
 
-def sampling_pair():
+def sampling_pair(lookup: bool = False):
     shape = dict(vocab_size=VOCAB, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     target = tiny_model("qwen2", 0, **shape)
     with torch.no_grad():
         target.lm_head.weight.mul_(4)  # random weights give near-uniform laws; sharpen them
+    if lookup:  # a head that reads prompt lookup's proposals, its lookup_fc moved off zero
+        return target, perturbed_head(target, noise=0.5, floor=0.5, lookup=True)[0]
     return target, head_for(target, noise=0.5)
 
 
@@ -135,12 +137,12 @@ def exact_law(target, sampling: SamplingConfig, prompt: torch.Tensor = PROMPT) -
 
 
 def pvalues(sampling: SamplingConfig, acceptance, samples: int = SAMPLES, gamma: int = 2, confidence: float = 0.0,
-            lengths: Counter | None = None) -> tuple[float, float]:
+            lengths: Counter | None = None, lookup: bool = False) -> tuple[float, float]:
     """p-values of the first token's and the first pair's counts over ``samples`` seeded runs of ``gamma`` + 1
-    tokens; ``confidence`` is the drafter's early stop, and ``lengths`` (when given) counts the proposals'
-    lengths of every run."""
+    tokens; ``confidence`` is the drafter's early stop, ``lengths`` (when given) counts the proposals'
+    lengths of every run, and ``lookup`` drafts with a head that reads prompt lookup's proposals."""
     from sparsedraft.engine.prefill_store import prefill_prompt
-    target, head = sampling_pair()
+    target, head = sampling_pair(lookup)
     law_one, law_two = exact_law(target, sampling)
     shared = prefill_prompt(target, PROMPT)
     one, two = Counter(), Counter()
@@ -170,6 +172,11 @@ def test_a_drafter_that_stops_on_its_own_confidence_keeps_the_target_law():
     first, pair_p = pvalues(SamplingConfig(temperature=1.0), standard_acceptance, gamma=3, confidence=0.2,
                             lengths=lengths)
     assert 0 < lengths[3] < SAMPLES / 2, lengths  # each run's first proposal drafts 3 unless it stopped early
+    assert first > 0.01 and pair_p > 0.01, (first, pair_p)
+
+
+def test_sampling_with_a_head_that_reads_prompt_lookup_keeps_the_target_law():
+    first, pair_p = pvalues(SamplingConfig(temperature=0.6, top_p=0.9), standard_acceptance, lookup=True)
     assert first > 0.01 and pair_p > 0.01, (first, pair_p)
 
 

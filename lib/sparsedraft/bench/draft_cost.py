@@ -89,8 +89,9 @@ def draft_step_costs(verifier: Transformer, drafter: Transformer | FeatureHead, 
     kept = {n: frequent_tokens(tokenizer, n, vocab) if n else torch.arange(vocab) for n in draft_vocabs}
     if isinstance(drafter, FeatureHead):  # entry t = (f_t, x_{t+1}): the prompt's tokens from the second on
         feats = torch.randn(1, context + 1, drafter.cfg.hidden_size, dtype=drafter.dtype, device=drafter.device)
-        budget_prefill(Entries(drafter, feats), cache, prompt[:, 1:].to(drafter.device))
-        heads = {n: Entries(drafter.restricted(ids) if n else drafter, feats) for n, ids in kept.items()}
+        lookups = drafter.lookups_for(torch.cat((prompt, prompt[:, -1:]), 1).to(drafter.device))  # the step's too
+        budget_prefill(Entries(drafter, feats, lookups), cache, prompt[:, 1:].to(drafter.device))
+        heads = {n: Entries(drafter.restricted(ids) if n else drafter, feats, lookups) for n, ids in kept.items()}
     else:
         budget_prefill(drafter, cache, prompt.to(drafter.device))
         heads = {n: restrict_head(drafter, ids) if n else drafter for n, ids in kept.items()}

@@ -84,6 +84,9 @@ class FeatureTrainConfig:
     behind_sequences: int = field(default=0, metadata={
         "help": "sampled continuations (of the first set) that are also read behind a prefix, one target "
                 "forward over each continuation behind a prefix computed once per prefix"})
+    lookup_input: bool = field(default=False, metadata={
+        "help": "the head also reads prompt lookup's proposal and its match length at every entry (a learnt "
+                "lookup first; docs/feature-drafter.md); from a --head-init without it, it starts as that head"})
     unroll: int = field(default=3, metadata={"help": "draft steps of the training-time test after the first"})
     chains: int = field(default=256, metadata={"help": "chain starts per window that the unroll follows"})
     step_decay: float = field(default=0.8, metadata={"help": "weight of unroll step j is step_decay ** j"})
@@ -164,6 +167,9 @@ class FeatureTrainConfig:
         require(not self.behind or (self.head_window and self.behind > sum(self.head_window)),
                 f"reading continuations behind a prefix of {self.behind} tokens keeps what the head's window shows "
                 f"of it: give head_window SINK WINDOW with SINK + WINDOW < behind (got {list(self.head_window)})")
+        require(not (self.lookup_input and self.behind),
+                "a lookup head (lookup_input) reads prompt lookup over every earlier token, which a continuation "
+                "read behind a prefix does not keep; drop behind or lookup_input")
         require(self.behind_sequences <= self.sampled_sequences,
                 f"behind_sequences ({self.behind_sequences}) reads sampled continuations behind a prefix: at most "
                 f"sampled_sequences ({self.sampled_sequences})")
@@ -193,7 +199,7 @@ class FeatureTrainConfig:
         """Fields that decide the weights after a given step (``steps`` is left out so a run can be extended)."""
         shaping = {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
         for name, default in (("fuse_layers", ()), ("depth", 1), ("head_window", ()), ("behind", 0),
-                              ("behind_sequences", 0)):
+                              ("behind_sequences", 0), ("lookup_input", False)):
             if getattr(self, name) == default:  # so runs from before the field keep their names and checkpoints
                 del shaping[name]
         return shaping

@@ -136,7 +136,9 @@ def budgeted_agreement(head: FeatureHead, window: Window, budgets: Sequence[int]
     require(prefix > max(budgets), f"a window of {t} tokens leaves a prefix of {prefix} entries, not more than the "
                                    f"largest budget {max(budgets)}; use a shorter continuation")
     capture = Capture(layers=set(range(head.depth)))
-    outs, view = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long, device=device), 0, None, capture)
+    lookups = head.lookups_for(tokens)
+    outs, view = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long, device=device), 0, None, capture,
+                        lookups=lookups)
     tok = TokenHead(head, None)
     wanted = greedy[:, prefix + 1:]
     out = {"full": float((tok.predict(outs[0][:, prefix:]) == wanted).float().mean())}
@@ -144,7 +146,8 @@ def budgeted_agreement(head: FeatureHead, window: Window, budgets: Sequence[int]
     for budget in budgets:
         kept = kept_prefix(head, capture.queries, view.keys[0], prefix, budget, chunk_size, obs_window, scoring)
         pred = head(features[:, prefix:t - 1], tokens[:, prefix + 1:], positions,
-                    BudgetView(view.keys[0], view.values[0], kept))
+                    BudgetView(view.keys[0], view.values[0], kept), None,
+                    None if lookups is None else lookups[:, prefix + 1:])
         out[str(budget)] = float((tok.predict(pred) == wanted).float().mean())
     return out
 

@@ -152,26 +152,36 @@ def trained_from(positions: torch.Tensor | None) -> int:
 
 def unroll(head: FeatureHead, features: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, steps: int,
            noise: torch.Tensor | None = None, capture: Capture | None = None,
-           window: tuple[int, int] | None = None,
-           positions: torch.Tensor | None = None) -> tuple[list[torch.Tensor], UnrollView]:
+           window: tuple[int, int] | None = None, positions: torch.Tensor | None = None,
+           lookups: torch.Tensor | None = None) -> tuple[list[torch.Tensor], UnrollView]:
     """Predicted features of forward 0 ([B, T-1, H], entries 0..T-2) and of draft steps 1..``steps`` ([B, n, H],
     entries ``starts + j``), for ``features`` [B, T, H] and ``tokens`` [B, T] at ``positions`` [T] (default
     0..T-1); ``noise`` is added to forward 0's input features; ``window`` (sink, window) limits what each entry
-    sees (:class:`UnrollView`). Needs ``starts + steps <= T - 2``, and chains after any gap in ``positions``."""
+    sees (:class:`UnrollView`). Needs ``starts + steps <= T - 2``, and chains after any gap in ``positions``.
+    A lookup head reads ``lookups`` [B, T, 2] (default: ``head.lookups_for(tokens)``), indexed as the tokens;
+    its windows have no gap, since prompt lookup reads every earlier token."""
     t = tokens.shape[1]
     last = int(starts.max()) if starts.numel() else -1
     require(last + steps <= t - 2, f"a chain starting at {last} needs {steps} steps inside a window of {t} tokens")
     first = int(starts.min()) if starts.numel() else t
     require(first >= trained_from(positions), f"a chain starts at entry {first}, before the window's last run of "
                                               f"consecutive positions (entry {trained_from(positions)})")
+    if head.lookup:
+        require(trained_from(positions) == 0, "a head that reads prompt lookup's proposals needs every earlier "
+                                              "token of a window; one read behind a prefix keeps only some")
+        lookups = head.lookups_for(tokens) if lookups is None else lookups
     entry_positions = None if positions is None else positions[:-1]
     view = UnrollView(starts, *(window or (0, None)), positions=entry_positions)
     inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
     at = torch.arange(t - 1, device=tokens.device) if positions is None else entry_positions
-    outs = [head(inputs, tokens[:, 1:], at, view, capture)]
+
+    def rows(index):  # the lookup rows of the entries whose tokens are tokens[:, index]
+        return None if lookups is None else lookups[:, index]
+
+    outs = [head(inputs, tokens[:, 1:], at, view, capture, rows(slice(1, None)))]
     previous = outs[0][:, starts]
     for j in range(1, steps + 1):
-        previous = head(previous, tokens[:, starts + j + 1], at[starts] + j, view)
+        previous = head(previous, tokens[:, starts + j + 1], at[starts] + j, view, None, rows(starts + j + 1))
         outs.append(previous)
     return outs, view
 
@@ -273,8 +283,9 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
 
     sparse = bool(lam) and draws.budget is not None
     capture = Capture(layers=set(range(head.depth))) if sparse else None
+    lookups = head.lookups_for(window_tokens)
     outs, view = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture, window,
-                        positions)
+                        positions, lookups)
     parts: dict[str, float] = {}
     pred0 = outs[0]
     top = head.top(features)  # what the head predicts (a fusing head reads lower layers' features too)
@@ -301,7 +312,8 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
     kept = kept_prefix(head, capture.queries, view.keys[0], prefix, draws.budget, chunk_size, obs_window, scoring)
     inputs = features[:, prefix:t - 1] + (0 if draws.noise is None else draws.noise[:, prefix:])
     drafted = torch.arange(prefix, t - 1, device=inputs.device) if positions is None else positions[prefix:t - 1]
-    pred = head(inputs, window_tokens[:, prefix + 1:], drafted, BudgetView(view.keys[0], view.values[0], kept))
+    pred = head(inputs, window_tokens[:, prefix + 1:], drafted, BudgetView(view.keys[0], view.values[0], kept),
+                None, None if lookups is None else lookups[:, prefix + 1:])
     loss_c, parts["feat_c"], parts["token_c"] = entry_loss(tokens, pred, top[:, prefix + 1:],
                                                            greedy[:, prefix + 1:], scale, feature_weight,
                                                            token_weight, at(slice(prefix + 1, None)))

@@ -109,6 +109,7 @@ def init_head(head: FeatureHead, target: Transformer, scales: list[float], gain:
     with torch.no_grad():
         head.fc.weight[:, hidden:] = gain * ratio * torch.eye(hidden, dtype=head.dtype, device=head.device)
     head.init_fuse(scales)
+    head.init_lookup(target, scale)
 
 
 def learning_rate(cfg: FeatureTrainConfig, step: int) -> float:
@@ -296,12 +297,16 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         require(int(parent.get("depth", 1)) <= cfg.depth,
                 f"the drafter in {cfg.head_init} has {parent.get('depth', 1)} layers, this run {cfg.depth}; pass "
                 f"--depth {parent.get('depth', 1)} or more (a head can grow deeper, not shallower)")
+        require(cfg.lookup_input or not parent.get("lookup_input"),
+                f"the drafter in {cfg.head_init} reads prompt lookup's proposals; pass --lookup-input (a head "
+                "can learn to read them, not to forget them)")
         lineage = started_from(parent)
         parent_curve = read_curve(Path(cfg.head_init) / CURVE)  # read now: the export may overwrite the folder
     data = load_feature_data(cfg, target, tokenizer, progress)
     data_seconds = time.time() - began
 
-    head = FeatureHead(target.cfg, cfg.fuse_layers, cfg.depth).to(device=target.device, dtype=torch.float32)
+    head = FeatureHead(target.cfg, cfg.fuse_layers, cfg.depth, cfg.lookup_input).to(device=target.device,
+                                                                                    dtype=torch.float32)
     head.attach(target)
     step, history = 0, []
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -314,7 +319,10 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
             parent_head = load_feature_head(cfg.head_init, target)
             widen = bool(cfg.fuse_layers) and not parent_head.fuse_layers  # a top-only head learns to fuse
             deepen = cfg.depth > parent_head.depth  # new layers on top of the trained ones
-            head.load_state_dict(parent_head.state_dict(), strict=not (widen or deepen))  # all they share
+            learn_lookup = cfg.lookup_input and not parent_head.lookup  # a silent lookup input to learn
+            head.load_state_dict(parent_head.state_dict(), strict=not (widen or deepen or learn_lookup))
+            if learn_lookup:
+                head.init_lookup(target, data.scales[-1])
             if widen:
                 head.init_fuse(data.scales)  # the lower layers silent: it starts as the head it was
             if deepen:

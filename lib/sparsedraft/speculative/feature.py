@@ -17,6 +17,11 @@ drafter's file. That file is a safetensors of the owned weights beside a JSON
 record of the target's :func:`fingerprint`, so a drafter loaded against another
 target is refused before any forward.
 
+``lookup`` adds prompt lookup's proposal to the input (:mod:`.lookup_input`): the head reads
+``fc([f_t; e(x_{t+1})]) + lookup_fc([e(L_t); n_t])``, where ``L_t`` is what prompt lookup proposes for
+``x_{t+2}`` from the tokens up to ``x_{t+1}`` and ``n_t`` the length of its match, so it can learn when the
+context already holds the next token (a learnt form of :mod:`.lookup_first`).
+
 ``depth`` stacks more decoder layers in the head (EAGLE's is one): capacity, the
 lever left once more of the target's own text stopped moving the one-layer head
 (``docs/feature-drafter.md``). A draft step then costs ``depth`` layers.
@@ -44,6 +49,7 @@ from ..engine.cache import KVCache, SequenceView
 from ..engine.config import ModelConfig
 from ..engine.model import Block, Capture, Transformer, project, run_layers
 from ..errors import SparsedraftError, require
+from .lookup_input import MAX_NGRAM, lookup_table
 from .vocab import SubsetHead
 
 WEIGHTS = "feature_drafter.safetensors"
@@ -60,9 +66,13 @@ class FeatureHead(nn.Module):
     [(k+1)*hidden -> hidden]: the head then reads the target's features as those layers' outputs followed by
     the top layer's (``Capture(hidden_layers=...)``), each block scaled by ``fuse_gain`` (fixed at training's
     start so every block is as loud as the top one), and fuses them into one feature. Its own predictions are
-    top-layer features, fed back as they are. Without it the head is EAGLE's."""
+    top-layer features, fed back as they are. Without it the head is EAGLE's.
 
-    def __init__(self, cfg: ModelConfig, fuse_layers: tuple[int, ...] = (), depth: int = 1):
+    ``lookup`` adds ``lookup_fc`` [hidden + MAX_NGRAM + 1 -> hidden], started at zero (the head computes what
+    it did without it), over the proposed token's embedding and a one-hot of its match length, scaled by
+    ``lookup_gain`` (the embedding's 1/RMS in, the features' RMS out, fixed at its start)."""
+
+    def __init__(self, cfg: ModelConfig, fuse_layers: tuple[int, ...] = (), depth: int = 1, lookup: bool = False):
         super().__init__()
         self.cfg = self.layer_config(cfg, check_depth(depth, cfg.num_layers))
         hidden = cfg.hidden_size
@@ -73,6 +83,11 @@ class FeatureHead(nn.Module):
             width = (len(self.fuse_layers) + 1) * hidden
             self.fuse = nn.Linear(width, hidden, bias=False)
             self.register_buffer("fuse_gain", torch.ones(width))
+        self.lookup = bool(lookup)
+        if self.lookup:
+            self.lookup_fc = nn.Linear(hidden + MAX_NGRAM + 1, hidden, bias=False)
+            nn.init.zeros_(self.lookup_fc.weight)
+            self.register_buffer("lookup_gain", torch.ones(2))
         self._borrow(None, None)
 
     @property
@@ -148,7 +163,7 @@ class FeatureHead(nn.Module):
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden] = torch.eye(hidden, dtype=self.dtype, device=self.device)
-        return self.init_layers(target, 1).init_fuse()
+        return self.init_layers(target, 1).init_fuse().init_lookup(target)
 
     def init_layers(self, target: Transformer, first: int) -> "FeatureHead":
         """Layers ``first..depth-1`` as the target's top block with their output projections (``o_proj``,
@@ -179,19 +194,51 @@ class FeatureHead(nn.Module):
                     self.fuse_gain.copy_(gains.repeat_interleave(hidden))
         return self
 
+    def init_lookup(self, target: Transformer, feature_rms: float | None = None) -> "FeatureHead":
+        """``lookup_fc`` at zero (silent: the head computes what it did without lookup) and ``lookup_gain``
+        bringing the proposed token's embedding to unit RMS in and the output to ``feature_rms`` (the top
+        features' RMS, so a learnt lookup is heard as loud as the feature). Nothing without lookup."""
+        if self.lookup:
+            embed_rms = float(target.embed_tokens.weight.detach().float().pow(2).mean().sqrt())
+            with torch.no_grad():
+                self.lookup_fc.weight.zero_()
+                self.lookup_gain.copy_(torch.tensor([1.0 / embed_rms, feature_rms or 1.0]))
+        return self
+
+    def lookups_for(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Prompt lookup's table over ``tokens`` [B, L] ([B, L, 2], :func:`~.lookup_input.lookup_table`) for a
+        lookup head, indexed as the tokens are; None for a head without lookup."""
+        return lookup_table(tokens) if self.lookup else None
+
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, capture: Capture | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, capture: Capture | None = None,
+                lookups: torch.Tensor | None = None) -> torch.Tensor:
         """features [B, T, hidden] (f_t), tokens [B, T] (x_{t+1}) -> predicted features [B, T, hidden] (f_{t+1}).
 
         ``positions`` (of the features, [B, T] or [T]) default to ``cache.length + arange(T)``; without a cache
-        the entries attend causally to each other only (training)."""
+        the entries attend causally to each other only (training). ``lookups`` [B, T, 2]: a lookup head's
+        (proposed token, match length) per entry, the rows of :meth:`lookups_for` at the tokens' own indices;
+        required by a lookup head, refused by any other."""
+        require((lookups is not None) == self.lookup,
+                "a lookup head reads prompt lookup's proposal at every entry: pass lookups (the rows of "
+                "head.lookups_for(tokens) at the tokens' indices)" if self.lookup
+                else "this head does not read prompt lookup's proposals; pass no lookups")
         if cache is None:
             cache = SequenceView(self.cfg.sliding_window)
         if positions is None:
             start = getattr(cache, "length", 0)
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         x = project(self.fc, torch.cat((self.fused(features), self.target.embed_tokens(tokens)), -1))
+        if lookups is not None:
+            x = x + self.lookup_input(lookups)
         return run_layers(self.layers, self.target.rotary, x, positions, cache, capture)
+
+    def lookup_input(self, lookups: torch.Tensor) -> torch.Tensor:
+        """lookup_fc over [e(proposed) / RMS(e), one-hot of the match length], times the features' RMS."""
+        matched = lookups[..., 1]
+        proposed = self.target.embed_tokens(lookups[..., 0]).to(self.dtype) * (matched > 0).unsqueeze(-1)
+        length = torch.nn.functional.one_hot(matched, MAX_NGRAM + 1).to(self.dtype)
+        return project(self.lookup_fc, torch.cat((proposed * self.lookup_gain[0], length), -1)) * self.lookup_gain[1]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """The target's final norm and head (or the attached restricted head) over features [..., hidden]."""
@@ -202,14 +249,17 @@ class Entries:
     """The head seen as a model by the prefills that fill caches (``prefill``, BudgetDraft's ``fill_prefix``):
     tokens in, features looked up by position in ``features`` [B, T, hidden], logits out."""
 
-    def __init__(self, head: FeatureHead, features: torch.Tensor):
+    def __init__(self, head: FeatureHead, features: torch.Tensor, lookups: torch.Tensor | None = None):
         self.head, self.features, self.cfg, self.device = head, features, head.cfg, head.device
+        self.lookups = lookups  # a lookup head's table [B, L, 2] over the sequence: entry t reads row t + 1
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None, *,
                  last_only: bool = False, capture: Capture | None = None) -> torch.Tensor:
         start = getattr(cache, "length", 0) if positions is None else int(positions.reshape(-1)[0])
-        feats = self.features[:, start:start + tokens.shape[1]]
-        out = self.head(feats, tokens, positions, cache, capture)
+        n = tokens.shape[1]
+        feats = self.features[:, start:start + n]
+        lookups = None if self.lookups is None else self.lookups[:, start + 1:start + 1 + n]
+        out = self.head(feats, tokens, positions, cache, capture, lookups)
         return self.head.logits(out[:, -1:] if last_only else out)
 
 
@@ -279,6 +329,8 @@ def save_feature_head(head: FeatureHead, folder: str | Path, target: Transformer
         record["fuse_layers"] = list(head.fuse_layers)
     if head.depth > 1:  # a one-layer head's record stays as before the option
         record["depth"] = head.depth
+    if head.lookup:
+        record["lookup_input"] = True
     tmp = folder / (RECORD + ".tmp")
     tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
     tmp.replace(folder / RECORD)
@@ -313,7 +365,8 @@ def check_feature_drafter(folder: str | Path, target: Transformer) -> dict[str, 
 def load_feature_head(folder: str | Path, target: Transformer) -> FeatureHead:
     """The drafter in ``folder``, checked against ``target`` first, on its device and dtype and attached."""
     record = check_feature_drafter(folder, target)
-    head = FeatureHead(target.cfg, tuple(record.get("fuse_layers", ())), int(record.get("depth", 1)))
+    head = FeatureHead(target.cfg, tuple(record.get("fuse_layers", ())), int(record.get("depth", 1)),
+                       bool(record.get("lookup_input", False)))
     weights = load_file(str(Path(folder) / WEIGHTS))
     missing = set(head.state_dict()) ^ set(weights)
     require(not missing, f"{folder}/{WEIGHTS} does not hold a feature head's weights (mismatched: {sorted(missing)})")

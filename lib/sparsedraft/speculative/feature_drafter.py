@@ -20,6 +20,10 @@ The cache is the caller's choice, as for every drafter (``FeatureDrafter.create`
 (BudgetDraft's chunk selection over the head's own prompt KV). It is filled
 from the target's prefill features, one layer over the prompt, never a second
 model prefill.
+
+A head that reads prompt lookup's proposals (``FeatureHead(lookup=True)``) gets
+each entry's from a :class:`~.lookup_input.LookupTable` kept beside the token
+history, grown and cut with it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..errors import require
 from .budget import budget_prefill
 from .drafters import DraftContext, Drafter, Proposal, TargetState, draw, proposal_of
 from .feature import Entries, FeatureHead
+from .lookup_input import LookupTable
 
 FEATURE_CACHES = ("full", "streaming", "budget")
 
@@ -53,6 +58,7 @@ class FeatureDrafter(Drafter):
         self.vocab_size = head.cfg.vocab_size
         self.feature_layers = head.fuse_layers  # the target captures these layers' outputs before the top's
         self.tokens: list[int] = []
+        self.lookup = LookupTable() if head.lookup else None  # prompt lookup's rows beside tokens, for such a head
         self.feats = torch.zeros(0, head.cfg.hidden_size)
         self.known = 0  # rows of feats that hold a feature (row i: the feature of tokens[i])
         self.cached = 0  # entries whose K/V the head's cache holds (positions 0 .. cached-1)
@@ -88,7 +94,10 @@ class FeatureDrafter(Drafter):
         require(prompt.numel() >= 3, f"a feature drafter needs a prompt of >= 3 tokens, got {prompt.numel()}")
         self._check_width(target.features)
         self.ctx, self.proposed = ctx, 0
-        self.tokens = prompt.tolist()
+        self.tokens = []
+        if self.lookup is not None:
+            self.lookup = LookupTable()
+        self._add(prompt.tolist())
         n = len(self.tokens)
         self.feats = torch.empty(n + 256, self.head.cfg.hidden_size, dtype=self.head.dtype, device=self.head.device)
         self.known = min(n, target.features.shape[0])  # the last prompt token's too, when the prefill gives it
@@ -96,7 +105,7 @@ class FeatureDrafter(Drafter):
         self.cache.reset()
         # Every prompt entry but the newest goes in now; the newest is the first draft step's input.
         entries = torch.tensor([self.tokens[1:n - 1]], device=self.head.device)
-        filler = Entries(self.head, self.feats[None, :n - 2])
+        filler = Entries(self.head, self.feats[None, :n - 2], self._lookups(0, n))
         if isinstance(self.cache, BudgetCache):
             budget_prefill(filler, self.cache, entries)
         else:
@@ -118,7 +127,7 @@ class FeatureDrafter(Drafter):
             start = self.cached
             device = self.head.device
             out = self.head(self.feats[None, start:n - 1], torch.tensor([self.tokens[start + 1:n]], device=device),
-                            torch.arange(start, n - 1, device=device), self.cache)
+                            torch.arange(start, n - 1, device=device), self.cache, None, self._lookups(start + 1, n))
             self.cached = n - 1
             predicted = out[0, -1]  # the feature of tokens[n - 1]
             logits = self.head.logits(predicted)
@@ -127,7 +136,7 @@ class FeatureDrafter(Drafter):
             self._grow(n)
             self.feats[n - 1] = predicted
             self.known = n
-            self.tokens.append(token)
+            self._add([token])
             tokens.append(token)
             qs.append(q)
             if self.unsure_after(tops, logits):
@@ -159,7 +168,7 @@ class FeatureDrafter(Drafter):
 
     def follow(self, tokens: list[int]) -> None:
         """Another proposer's tokens, tentatively: their features come with the verification (:meth:`observe`)."""
-        self.tokens.extend(tokens)
+        self._add(tokens)
         self.proposed = len(tokens)
 
     def commit(self, accepted: int, token: int, target: TargetState | None = None) -> None:
@@ -176,6 +185,8 @@ class FeatureDrafter(Drafter):
     def rewind(self, n: int) -> None:
         require(0 <= n <= len(self.tokens) - 2, f"cannot rewind {n} tokens")
         del self.tokens[len(self.tokens) - n:]
+        if self.lookup is not None:
+            self.lookup.truncate(len(self.tokens))
         self.known = min(self.known, len(self.tokens))
         self._uncache(min(self.cached, len(self.tokens) - 1))
 
@@ -183,4 +194,13 @@ class FeatureDrafter(Drafter):
         require(self.known >= len(self.tokens),
                 "the feature drafter needs the feature of the token before a pushed one; its verifier must hand "
                 "over features (TargetState.features) before the push")
-        self.tokens.append(token)
+        self._add([token])
+
+    def _add(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
+
+    def _lookups(self, start: int, stop: int) -> torch.Tensor | None:
+        """Prompt lookup's rows ``start..stop-1`` [1, n, 2] for a lookup head; None for any other."""
+        return None if self.lookup is None else self.lookup.table(start, stop, self.head.device)[None]

@@ -1,0 +1,145 @@
+"""A feature head that reads prompt lookup's proposal (``FeatureHead(lookup=True)``, a learnt lookup first).
+
+The table is prompt lookup's own rule at every position, kept incrementally by
+the drafter and computed whole for training, and both give the same rows. The
+head reads the same row at the same entry whether it drafts, fills its cache
+or trains. Greedy output stays the target's over every cache; the sampling
+law is held by the chi-square test in test_feature_drafter.py. Training
+starts from a head without lookup as that head, and bad combinations are
+refused before any teacher data.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from feature_heads import greedy_run, perturbed_head, raced, small_run
+
+from sparsedraft import SparsedraftError, decode
+from sparsedraft.budgetdraft.feature_loss import unroll
+from sparsedraft.budgetdraft.feature_train import train_feature_drafter
+from sparsedraft.engine.cache import StaticCache
+from sparsedraft.engine.prefill import prefill
+from sparsedraft.engine.tiny import tiny_model
+from sparsedraft.speculative import speculative
+from sparsedraft.speculative.drafters import ngram_lookup
+from sparsedraft.speculative.feature import Entries, FeatureHead, load_feature_head, save_feature_head
+from sparsedraft.speculative.feature_drafter import FeatureDrafter
+from sparsedraft.speculative.lookup_input import LookupTable, lookup_table
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 24
+
+
+def test_the_table_is_prompt_lookups_proposal_at_every_position_and_follows_rewinds():
+    rng = random.Random(0)
+    for _ in range(100):
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(1, 50))]
+        table = LookupTable()
+        table.extend(tokens)
+        for p in range(len(tokens)):
+            proposal, n = ngram_lookup(torch.tensor(tokens[:p + 1]), 1)
+            assert table.rows[p][1] == n and (n == 0 or table.rows[p][0] == int(proposal[0]))
+        cut, more = rng.randrange(len(tokens) + 1), [rng.randrange(5) for _ in range(rng.randrange(20))]
+        table.truncate(cut)
+        table.extend(more)
+        fresh = LookupTable()
+        fresh.extend(tokens[:cut] + more)
+        assert table.rows == fresh.rows and table.ends == fresh.ends
+    assert torch.equal(lookup_table(torch.tensor([fresh.tokens]))[0], fresh.table(0, len(fresh)))
+
+
+def lookup_pair():
+    """A lookup head (EAGLE's start, which the raced target's text partly agrees with, its lookup_fc moved off
+    zero) racing a tiny target; its random 48-token prompt repeats tokens, so lookup finds matches."""
+    def make(target):
+        head = FeatureHead(target.cfg, lookup=True).init_from(target).attach(target)
+        with torch.no_grad():
+            head.lookup_fc.weight.normal_(0.0, 0.003, generator=torch.Generator().manual_seed(1))  # heard, not ruling
+        return head.requires_grad_(False)
+    return raced(make, NEW)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return lookup_pair()
+
+
+@pytest.mark.parametrize("cache", ["full", "streaming", "budget"])
+def test_greedy_speculation_with_a_lookup_head_equals_autoregressive(pair, cache):
+    out = greedy_run(pair, cache)
+    level = out.stats.levels[-1]
+    assert 0 < level.accepted and level.drafted > 0
+
+
+def test_the_head_reads_the_same_row_drafting_filling_its_cache_and_training(pair):
+    """Entry t reads the table's row t + 1 everywhere: the cache-filling forward (Entries), the training
+    forward (unroll) and the drafter's own table after a run all agree."""
+    target, head, prompt, _ = pair
+    from sparsedraft.engine.model import Capture
+    capture = Capture(layers=set(), hidden=True)
+    target(prompt, capture=capture)
+    features, tokens = capture.features, prompt
+    trained, _ = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long), 0)
+    cache = StaticCache(head.cfg, tokens.shape[1], 1, head.dtype, head.device)
+    filled = prefill(Entries(head, features, head.lookups_for(tokens)), cache, tokens[:, 1:])  # last entry's logits
+    torch.testing.assert_close(filled, head.logits(trained[0][:, -1]), rtol=1e-4, atol=1e-4)
+    drafter = FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=3)
+    speculative(target, drafter, prompt, NEW, 3)
+    assert torch.equal(drafter.lookup.table(0, len(drafter.tokens)), lookup_table(torch.tensor([drafter.tokens]))[0])
+    silent = head.lookup_input(torch.zeros(1, 1, 2, dtype=torch.long))
+    found = head.lookup_input(torch.tensor([[[5, 2]]]))
+    assert not torch.equal(silent, found)  # the proposal reaches the head
+
+
+def test_lookup_rows_are_required_by_a_lookup_head_and_refused_by_any_other(pair):
+    target, head, prompt, _ = pair
+    feats, tokens = torch.randn(1, 4, head.cfg.hidden_size), prompt[:, :4]
+    with pytest.raises(SparsedraftError, match="pass lookups"):
+        head(feats, tokens)
+    plain = perturbed_head(target)[0]
+    with pytest.raises(SparsedraftError, match="pass no lookups"):
+        plain(feats, tokens, lookups=torch.zeros(1, 4, 2, dtype=torch.long))
+
+
+def test_a_saved_lookup_head_loads_as_one_and_decodes_through_decode(pair, tmp_path):
+    target, head, prompt, ar = pair
+    folder = save_feature_head(head, tmp_path / "lookup", target)
+    loaded = load_feature_head(folder, target)
+    assert loaded.lookup and torch.equal(loaded.lookup_gain, head.lookup_gain.to(torch.bfloat16).float())  # as saved
+    for method, options in (("spec", {}), ("budgetdraft", {"budget": 16, "chunk_size": 4}),
+                            ("triforce", {"budget": 16, "chunk_size": 4, "sink": 4, "window": 8})):
+        assert torch.equal(decode(target, prompt, method, NEW, draft=str(folder), **options).tokens, ar)
+
+
+def test_training_learns_a_lookup_input_from_a_head_without_one(tmp_path, monkeypatch):
+    """A run with lookup_input from a plain head starts as that head (its lookup silent) and moves the lookup
+    input; a lookup head cannot be trained into a plain one, nor read continuations behind a prefix."""
+    target = tiny_model("llama")
+    plain = train_feature_drafter(small_run(tmp_path, "plain"), target, progress=False, provenance=False)
+    saved, started = load_feature_head(plain.run_dir / "drafter", target), {}
+    real = FeatureHead.init_lookup
+
+    def spy(head, target_, rms=None):
+        real(head, target_, rms)
+        features = torch.randn(1, 7, target.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+        tokens = torch.tensor([[1, 2, 3, 1, 2, 3, 1]])
+        with torch.no_grad():
+            started["same"] = torch.allclose(head(features, tokens, lookups=head.lookups_for(tokens)),
+                                             saved(features, tokens))
+        return head
+    monkeypatch.setattr(FeatureHead, "init_lookup", spy)
+    child = train_feature_drafter(small_run(tmp_path, "child", head_init=str(plain.run_dir / "drafter"),
+                                            lookup_input=True), target, progress=False, provenance=False)
+    assert started == {"same": True}
+    assert child.head.lookup and float(child.head.lookup_fc.weight.detach().abs().max()) > 0
+    assert child.record["recipe"]["lookup_input"] is True
+    with pytest.raises(SparsedraftError, match="pass --lookup-input"):
+        train_feature_drafter(small_run(tmp_path, "back", head_init=str(child.run_dir / "drafter")), target,
+                              progress=False, provenance=False)
+    with pytest.raises(SparsedraftError, match="drop behind or lookup_input"):
+        small_run(tmp_path, "behind", lookup_input=True, behind=64, behind_sequences=1, head_window=(4, 8),
+                  sampled_sequences=1)
