@@ -5,8 +5,8 @@ the drafter and computed whole for training, and both give the same rows. The
 head reads the same row at the same entry whether it drafts, fills its cache
 or trains. Greedy output stays the target's over every cache; the sampling
 law is held by the chi-square test in test_feature_drafter.py. Training
-starts from a head without lookup as that head, and bad combinations are
-refused before any teacher data.
+starts from a head without lookup as that head, and a window read behind a
+long prefix carries lookup's rows over its whole reading.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 from feature_heads import greedy_run, perturbed_head, raced, small_run
 
 from sparsedraft import SparsedraftError, decode
+from sparsedraft.budgetdraft.feature_context import behind_teacher
+from sparsedraft.budgetdraft.feature_data import Window
 from sparsedraft.budgetdraft.feature_loss import unroll
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
 from sparsedraft.engine.cache import StaticCache
@@ -117,7 +119,7 @@ def test_a_saved_lookup_head_loads_as_one_and_decodes_through_decode(pair, tmp_p
 
 def test_training_learns_a_lookup_input_from_a_head_without_one(tmp_path, monkeypatch):
     """A run with lookup_input from a plain head starts as that head (its lookup silent) and moves the lookup
-    input; a lookup head cannot be trained into a plain one, nor read continuations behind a prefix."""
+    input; a lookup head cannot be trained into a plain one."""
     target = tiny_model("llama")
     plain = train_feature_drafter(small_run(tmp_path, "plain"), target, progress=False, provenance=False)
     saved, started = load_feature_head(plain.run_dir / "drafter", target), {}
@@ -140,6 +142,33 @@ def test_training_learns_a_lookup_input_from_a_head_without_one(tmp_path, monkey
     with pytest.raises(SparsedraftError, match="pass --lookup-input"):
         train_feature_drafter(small_run(tmp_path, "back", head_init=str(child.run_dir / "drafter")), target,
                               progress=False, provenance=False)
-    with pytest.raises(SparsedraftError, match="drop behind or lookup_input"):
-        small_run(tmp_path, "behind", lookup_input=True, behind=64, behind_sequences=1, head_window=(4, 8),
-                  sampled_sequences=1)
+
+
+def test_a_window_read_behind_a_prefix_carries_lookups_over_the_whole_reading(tmp_path):
+    """behind_teacher keeps some of the prefix's entries; lookup reads all its tokens, so a lookup head's window
+    carries the rows of the whole reading at the kept positions, and through the head's window it computes on
+    the kept entries what it computes on the whole reading. Without them a gapped window is refused."""
+    target = tiny_model("llama")
+    head = perturbed_head(target, noise=0.2, floor=0.2, lookup=True)[0]
+    sink, window, n, m, steps = 2, 6, 24, 12, 2
+    gen = torch.Generator().manual_seed(10)
+    texts = [Window(torch.randint(8, (m,), generator=gen), None, None, None, None, "sampled") for _ in range(2)]
+    prefixes = torch.randint(8, (2, n), generator=gen)  # a small alphabet: lookup finds matches across the gap
+    got = behind_teacher(target, "tiny-llama", texts, prefixes, sink, window, tmp_path, lookups=True)
+    for i, w in enumerate(got):
+        whole = torch.cat((prefixes[i], texts[i].tokens))
+        assert torch.equal(w.lookups, lookup_table(whole[None])[0][w.positions])
+    w, whole = got[0], torch.cat((prefixes[0], texts[0].tokens))[None]
+    features = torch.randn(1, n + m, target.cfg.hidden_size, generator=gen)
+    first = sink + 1 + window
+    starts_whole = torch.tensor([n, n + 5])
+    with torch.no_grad():
+        full, _ = unroll(head, features, whole, starts_whole, steps, window=(sink, window))
+        kept, _ = unroll(head, features[:, w.positions], w.tokens[None], starts_whole - n + first, steps,
+                         window=(sink, window), positions=w.positions, lookups=w.lookups[None])
+    torch.testing.assert_close(kept[0][0, first - 1:], full[0][0, n - 1:], rtol=1e-5, atol=1e-5)
+    for j in range(1, steps + 1):
+        torch.testing.assert_close(kept[j], full[j], rtol=1e-5, atol=1e-5)
+    with pytest.raises(SparsedraftError, match="pass its lookups"):
+        unroll(head, features[:, w.positions], w.tokens[None], starts_whole - n + first, steps,
+               window=(sink, window), positions=w.positions)

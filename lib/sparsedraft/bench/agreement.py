@@ -33,7 +33,7 @@ from ..engine.data import model_tokenizer
 from ..engine.machine import provenance
 from ..engine.weights import load_model
 from ..errors import exit_with, require
-from ..speculative.feature import load_feature_head, read_record
+from ..speculative.feature import load_feature_head
 from ..speculative.loading import has_checkpoint, trained_verifier
 from .record import finish_module
 
@@ -99,9 +99,6 @@ def main(argv: list[str] | None = None) -> None:
             f"{longest})")
     window = check_window(args.head_window, "--head-window")
     require(args.behind >= 0, f"--behind takes a prefix length in tokens (0: none), got {args.behind}")
-    require(not (args.behind and read_record(args.draft).get("lookup_input")),
-            f"the drafter in {args.draft} reads prompt lookup over every earlier token, which a continuation read "
-            "behind a prefix does not keep; leave --behind out for it")
     prefixes = behind_prefixes(args.draft, args.behind, args.prompts) if args.behind else None  # before the model
     started = provenance()
     result = measure(args.draft, args.context, args.prompts, args.tokens, args.draft_vocab, args.slice,

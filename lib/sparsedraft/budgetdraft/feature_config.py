@@ -167,9 +167,6 @@ class FeatureTrainConfig:
         require(not self.behind or (self.head_window and self.behind > sum(self.head_window)),
                 f"reading continuations behind a prefix of {self.behind} tokens keeps what the head's window shows "
                 f"of it: give head_window SINK WINDOW with SINK + WINDOW < behind (got {list(self.head_window)})")
-        require(not (self.lookup_input and self.behind),
-                "a lookup head (lookup_input) reads prompt lookup over every earlier token, which a continuation "
-                "read behind a prefix does not keep; drop behind or lookup_input")
         require(self.behind_sequences <= self.sampled_sequences,
                 f"behind_sequences ({self.behind_sequences}) reads sampled continuations behind a prefix: at most "
                 f"sampled_sequences ({self.sampled_sequences})")

@@ -33,6 +33,7 @@ from ..engine.model import Transformer
 from ..errors import require
 from ..progress import bar
 from ..speculative.feature import FeatureHead
+from ..speculative.lookup_input import lookup_table
 from .feature_data import FEATURE_DATA_VERSION, Window, digest, layers_key, save_tensors, teacher_of, token_hash
 from .feature_eval import Continuations
 from .feature_loss import TokenHead, unroll
@@ -86,13 +87,14 @@ def training_prefixes(tokenizer: Tokenizer, n: int) -> torch.Tensor:
 
 def behind_teacher(target: Transformer, target_id: str, texts: list[Window], prefixes: torch.Tensor, sink: int,
                    window: int, cache_dir: str | Path, compute: bool = True, progress: bool = False,
-                   fuse_layers: tuple[int, ...] = ()) -> list[Window]:
+                   fuse_layers: tuple[int, ...] = (), lookups: bool = False) -> list[Window]:
     """Each of ``texts`` read behind prefix ``i % len(prefixes)``, kept as a head whose StreamingLLM cache holds
     ``sink`` + ``window`` entries sees it: the prefix's first ``sink + 1`` tokens (the last only to be entry
     ``sink - 1``'s next token: no query sees its entry), its ``window`` newest, then the text, at their true
     positions, with the target's teacher in that reading. One forward over each prefix, kept in a cache
     that each text then extends and rolls back: a text costs one forward of its own length. Cached on disk, one
-    file per window, so a run over more texts reuses a shorter run's."""
+    file per window, so a run over more texts reuses a shorter run's. ``lookups``: each window also carries
+    prompt lookup's rows over its whole reading (prefix and text) at the kept positions, for a lookup head."""
     rows, n = len(prefixes), prefixes.shape[1]
     require(n > sink + window, f"a prefix of {n} tokens leaves no gap before a sink of {sink} and a window of "
                                f"{window}; read behind more than {sink + window} tokens")
@@ -114,8 +116,12 @@ def behind_teacher(target: Transformer, target_id: str, texts: list[Window], pre
                 done.update(1)
     done.close()
     stored = [load_file(str(path)) for path in paths]
-    return [Window(w["tokens"], w["features"], w["greedy"], w["top_ids"], w["top_probs"], "behind", w["positions"])
-            for w in stored]
+
+    def read_lookups(i: int, w: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        return lookup_table(torch.cat((prefixes[i % rows], texts[i].tokens))[None])[0][w["positions"]] \
+            if lookups else None
+    return [Window(w["tokens"], w["features"], w["greedy"], w["top_ids"], w["top_probs"], "behind", w["positions"],
+                   read_lookups(i, w)) for i, w in enumerate(stored)]
 
 
 @torch.inference_mode()

@@ -68,6 +68,8 @@ class Window:
     source: str = ""
     positions: torch.Tensor | None = None  # [T] int64 true positions, for a window read behind a prefix
     # (feature_context.behind_teacher: a sink, a gap, the newest entries); None: 0..T-1
+    lookups: torch.Tensor | None = None  # [T, 2] prompt lookup's rows over the whole reading, for a lookup head
+    # (a window read behind a prefix keeps only some of the tokens lookup reads); None: computed from tokens
 
 
 def digest(payload: Any) -> str:

@@ -109,8 +109,10 @@ def training_fit(head: FeatureHead, windows: Sequence[Window], sampled_prompt: i
         for w in mine[::max(1, len(mine) // per_source)][:per_source]:
             tokens = w.tokens[None].to(device)
             positions = None if w.positions is None else w.positions.to(device)
+            lookups = None if w.lookups is None or not head.lookup else w.lookups[None].to(device)
             outs, _ = unroll(head, w.features[None].to(device).float(), tokens,
-                             torch.zeros(0, dtype=torch.long, device=device), 0, window=window, positions=positions)
+                             torch.zeros(0, dtype=torch.long, device=device), 0, window=window, positions=positions,
+                             lookups=lookups)
             right = TokenHead(head, None).predict(outs[0])[0] == w.greedy[1:].to(device)
             if source == "behind":  # the prefix's sink and newest entries (what the window shows), then the text
                 require(window is not None, "a window read behind a prefix is scored through the head's window")

@@ -158,18 +158,19 @@ def unroll(head: FeatureHead, features: torch.Tensor, tokens: torch.Tensor, star
     entries ``starts + j``), for ``features`` [B, T, H] and ``tokens`` [B, T] at ``positions`` [T] (default
     0..T-1); ``noise`` is added to forward 0's input features; ``window`` (sink, window) limits what each entry
     sees (:class:`UnrollView`). Needs ``starts + steps <= T - 2``, and chains after any gap in ``positions``.
-    A lookup head reads ``lookups`` [B, T, 2] (default: ``head.lookups_for(tokens)``), indexed as the tokens;
-    its windows have no gap, since prompt lookup reads every earlier token."""
+    A lookup head reads ``lookups`` [B, T, 2], indexed as the tokens (default: ``head.lookups_for(tokens)``,
+    for a window without a gap: prompt lookup reads every earlier token)."""
     t = tokens.shape[1]
     last = int(starts.max()) if starts.numel() else -1
     require(last + steps <= t - 2, f"a chain starting at {last} needs {steps} steps inside a window of {t} tokens")
     first = int(starts.min()) if starts.numel() else t
     require(first >= trained_from(positions), f"a chain starts at entry {first}, before the window's last run of "
                                               f"consecutive positions (entry {trained_from(positions)})")
-    if head.lookup:
+    if head.lookup and lookups is None:
         require(trained_from(positions) == 0, "a head that reads prompt lookup's proposals needs every earlier "
-                                              "token of a window; one read behind a prefix keeps only some")
-        lookups = head.lookups_for(tokens) if lookups is None else lookups
+                                              "token of a window; one read behind a prefix keeps only some, so "
+                                              "pass its lookups (Window.lookups, from behind_teacher)")
+        lookups = head.lookups_for(tokens)
     entry_positions = None if positions is None else positions[:-1]
     view = UnrollView(starts, *(window or (0, None)), positions=entry_positions)
     inputs = features[:, :-1] if noise is None else features[:, :-1] + noise
@@ -271,19 +272,20 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
                  step_decay: float, unroll_steps: int, lam: float, continuation: int, chunk_size: int,
                  obs_window: int, scoring: str,
                  soft: tuple[torch.Tensor, torch.Tensor] | None = None, window: tuple[int, int] | None = None,
-                 positions: torch.Tensor | None = None) -> FeatureLossParts:
+                 positions: torch.Tensor | None = None, lookups: torch.Tensor | None = None) -> FeatureLossParts:
     """L_A (+ lam * L_C) of one window: tokens/greedy [1, T], features [1, T, H] (float; [1, T, (k+1) H] for a
     head that fuses k lower layers, whose top block is the regression's aim); ``soft`` = the
     verifier's (top ids, top probabilities) [1, T, K] turns every token loss into one against that distribution.
     ``window`` (sink, window): the head sees its entries as its StreamingLLM cache would; ``positions`` [T]: a
-    window read behind a prefix (:class:`UnrollView`), whose entries before :func:`trained_from` get no loss."""
+    window read behind a prefix (:class:`UnrollView`), whose entries before :func:`trained_from` get no loss, and
+    ``lookups`` [1, T, 2] a lookup head's rows over its whole reading (:func:`unroll`)."""
 
     def at(index) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if soft is None else (soft[0][:, index], soft[1][:, index])
 
     sparse = bool(lam) and draws.budget is not None
     capture = Capture(layers=set(range(head.depth))) if sparse else None
-    lookups = head.lookups_for(window_tokens)
+    lookups = (head.lookups_for(window_tokens) if lookups is None else lookups) if head.lookup else None
     outs, view = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture, window,
                         positions, lookups)
     parts: dict[str, float] = {}

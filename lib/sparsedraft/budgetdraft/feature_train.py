@@ -90,7 +90,7 @@ def load_feature_data(cfg: FeatureTrainConfig, target: Transformer, tokenizer: T
             sink, window = cfg.head_window
             train += behind_teacher(target, cfg.verifier, sampled[:cfg.behind_sequences],
                                     training_prefixes(tokenizer, cfg.behind), sink, window, cache, cfg.teacher,
-                                    progress, layers)
+                                    progress, layers, cfg.lookup_input)
         train += sampled
     held = corpus_windows(tokenizer, cfg.seq_len, cfg.eval_sequences, "heldout") if cfg.eval_sequences else \
         torch.zeros(0, cfg.seq_len, dtype=torch.long)
@@ -162,7 +162,8 @@ def train_step(cfg: FeatureTrainConfig, head: FeatureHead, tokens: TokenHead, op
                        token_weight=cfg.token_weight, step_decay=cfg.step_decay, unroll_steps=cfg.unroll,
                        lam=cfg.lam, continuation=cfg.continuation, chunk_size=cfg.chunk_size,
                        obs_window=cfg.obs_window, scoring=cfg.scoring, soft=soft, window=cfg.window,
-                       positions=None if window.positions is None else window.positions.to(device))
+                       positions=None if window.positions is None else window.positions.to(device),
+                       lookups=None if window.lookups is None else window.lookups[None].to(device))
     out.total.backward()
     if cfg.grad_clip:
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
