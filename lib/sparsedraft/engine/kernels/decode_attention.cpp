@@ -296,6 +296,21 @@ void score(const float* qt, const float* k, float* s, int64_t D, int64_t rp, int
   if (rp - v0 == kLanes) score_rows<1>(qt, k, s, D, rp, v0, len, next, next_bytes_per_key, keys);
 }
 
+// Rows [r0, r1) in blocks of RB, the leftover rows as one block: block(rows, r) runs a weighing of ``rows`` rows
+// (a std::integral_constant) from row r.
+template <int RB, class Block>
+void by_row_blocks(int64_t r0, int64_t r1, Block&& block) {
+  static_assert(RB <= 4);
+  int64_t r = r0;
+  for (; r + RB <= r1; r += RB) block(std::integral_constant<int, RB>{}, r);
+  switch (r1 - r) {
+    case 3: block(std::integral_constant<int, 3>{}, r); break;
+    case 2: block(std::integral_constant<int, 2>{}, r); break;
+    case 1: block(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
 #if SPARSEDRAFT_REGISTER_BLOCKS
 // Where the register blocks below read values: float rows in place, or int8 codes with a scale per key (an
 // int8 draft view, attend_int8), widened in registers to float(code) * scale, the float the dequantising copy
@@ -337,30 +352,21 @@ void weigh_registers(const float* p, int64_t pk, int64_t pr, const Values& v, in
     for (int w = 0; w < NW; ++w) _mm256_storeu_ps(o + (r0 + rr) * D + d0 + 8 * w, acc[rr][w]);
 }
 
-// Columns [d0, d0 + DW) of rows [r0, r1): four rows at a time, the leftover rows as one block.
-template <int DW, class Values>
-void weigh_tile_registers(const float* p, int64_t pk, int64_t pr, const Values& v, int64_t D, int64_t r0,
-                          int64_t r1, int64_t d0, int64_t j0, int64_t j1, float* o) {
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) weigh_registers<4, DW>(p, pk, pr, v, D, r, d0, j0, j1, o);
-  switch (r1 - r) {
-    case 3: weigh_registers<3, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
-    case 2: weigh_registers<2, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
-    case 1: weigh_registers<1, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
-    default: break;
-  }
-}
-
-// Rows [r0, r1) over keys [j0, j1), D a multiple of 8: column tiles of 24, then one of 16 or 8. Twelve
-// accumulators, three registers of values and a broadcast fill AVX2's sixteen, with 7 loads per 12
+// Rows [r0, r1) over keys [j0, j1), D a multiple of 8: column tiles of 24, then one of 16 or 8, four rows at a
+// time. Twelve accumulators, three registers of values and a broadcast fill AVX2's sixteen, with 7 loads per 12
 // multiply-adds.
 template <class Values>
 void weigh_in_registers(const float* p, int64_t pk, int64_t pr, const Values& v, int64_t D, int64_t r0,
                         int64_t r1, int64_t j0, int64_t j1, float* o) {
+  const auto tile = [&](auto width, int64_t d0) {
+    by_row_blocks<4>(r0, r1, [&](auto rows, int64_t r) {
+      weigh_registers<decltype(rows)::value, decltype(width)::value>(p, pk, pr, v, D, r, d0, j0, j1, o);
+    });
+  };
   int64_t d0 = 0;
-  for (; d0 + 24 <= D; d0 += 24) weigh_tile_registers<24>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
-  if (D - d0 == 16) weigh_tile_registers<16>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
-  if (D - d0 == 8) weigh_tile_registers<8>(p, pk, pr, v, D, r0, r1, d0, j0, j1, o);
+  for (; d0 + 24 <= D; d0 += 24) tile(std::integral_constant<int, 24>{}, d0);
+  if (D - d0 == 16) tile(std::integral_constant<int, 16>{}, d0);
+  if (D - d0 == 8) tile(std::integral_constant<int, 8>{}, d0);
 }
 #endif
 
@@ -391,15 +397,9 @@ void weigh_values(const float* p, int64_t pk, int64_t pr, const float* v, int64_
 template <int DW, int RB>
 void weigh_tile(const float* p, int64_t pk, int64_t pr, const float* v, int64_t D, int64_t r0, int64_t r1,
                 int64_t d0, int64_t j0, int64_t j1, float* o) {
-  static_assert(RB <= 4);
-  int64_t r = r0;
-  for (; r + RB <= r1; r += RB) weigh_values<RB, DW>(p, pk, pr, v, D, r, d0, j0, j1, o);
-  switch (r1 - r) {
-    case 3: weigh_values<3, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
-    case 2: weigh_values<2, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
-    case 1: weigh_values<1, DW>(p, pk, pr, v, D, r, d0, j0, j1, o); break;
-    default: break;
-  }
+  by_row_blocks<RB>(r0, r1, [&](auto rows, int64_t r) {
+    weigh_values<decltype(rows)::value, DW>(p, pk, pr, v, D, r, d0, j0, j1, o);
+  });
 }
 
 // Rows [r0, r1) over keys [j0, j1) for the columns [0, D): column tiles of DW, leftover columns one at a time (the
