@@ -40,6 +40,7 @@ from ..engine.prefill import prefill
 from ..engine.sampling import SamplingConfig, probabilities
 from ..errors import require
 from .stats import LevelStats, Stopwatch
+from .lookup_input import MAX_NGRAM
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ class NgramDrafter(Drafter):
     ``max_ngram`` down to ``min_ngram``) and propose what followed it. No model;
     proposals are deterministic, so q is one-hot and sampling stays lossless."""
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, vocab_size: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1):
         require(1 <= min_ngram <= max_ngram,
                 f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
@@ -308,7 +309,7 @@ class NgramDrafter(Drafter):
         self.proposed = len(tokens)
 
 
-def ngram_lookup(history: torch.Tensor, gamma: int, max_ngram: int = 3,
+def ngram_lookup(history: torch.Tensor, gamma: int, max_ngram: int = MAX_NGRAM,
                  min_ngram: int = 1) -> tuple[torch.Tensor, int]:
     """Prompt lookup over ``history`` [L]: up to ``gamma`` tokens that followed the newest earlier occurrence of its
     last n tokens, n from ``max_ngram`` down to ``min_ngram``, and that n; empty and 0 when none occurs."""

@@ -41,6 +41,7 @@ import torch
 from ..errors import require
 from .drafters import DraftContext, Drafter, ModelDrafter, NgramDrafter, Proposal, TargetState
 from .feature_drafter import FeatureDrafter
+from .lookup_input import MAX_NGRAM
 from .stats import LevelStats
 
 
@@ -73,7 +74,7 @@ def check_override(override: float) -> None:
 class LookupFirst(Drafter):
     """Prompt lookup's continuation unless ``model`` is at least ``override`` sure of another first token."""
 
-    def __init__(self, model: Drafter, override: float, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, model: Drafter, override: float, max_ngram: int = MAX_NGRAM, min_ngram: int = 1):
         check_override(override)
         require(isinstance(model, (ModelDrafter, FeatureDrafter)),
                 f"LookupFirst needs a drafter with a model of its own (a ModelDrafter or FeatureDrafter) to weigh "

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import require
 
-MAX_NGRAM = 3  # the longest match looked up, as NgramDrafter's default
+MAX_NGRAM = 3  # the longest match prompt lookup looks for (NgramDrafter, LookupFirst and a lookup head)
 
 
 class LookupTable:
