@@ -41,9 +41,10 @@ from .timing import interleaved_runs, median_ms, seconds_of
 
 
 def quantized_view(model, full, draft_kv: str, room: int) -> QuantizedRetrievalCache:
-    """A ``draft_kv`` retrieval view holding all of ``full``'s tokens, with room for ``room`` new ones."""
+    """A ``draft_kv`` retrieval view holding all of ``full``'s tokens, with room for ``room`` new ones (chunks of
+    one token, so any context fits: a view that keeps every token lays them out the same whatever the chunk)."""
     cfg = model.cfg
-    view = QuantizedRetrievalCache(cfg, full.length, 8, room, draft_kv=draft_kv, dtype=model.dtype,
+    view = QuantizedRetrievalCache(cfg, full.length, 1, room, draft_kv=draft_kv, dtype=model.dtype,
                                    device=model.device, allow_full=True)
     queries = torch.randn(cfg.num_layers, 1, cfg.num_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
     view.build(full, {layer: q.to(model.dtype) for layer, q in enumerate(queries)})
