@@ -40,10 +40,12 @@ RACE2 = "level2_race.csv"  # TriForce with quantised level-2 weights beside full
 SPEED_RECORD = "budgetdraft-speed-{profile}.json"
 SPEED_NOTEBOOK = "06"
 SPEED = "feature_speed.csv"  # notebook 06's timed runs of the feature drafter
-# Notebook 06's row labels and the decode() method each one ran
-SPEED_METHODS = {"EAGLE (full cache)": "spec", "EAGLE behind prompt lookup": "spec", "prompt lookup": "spec",
-                 "BudgetDraft (budget cache)": "budgetdraft", "TriForce, feature level 1": "triforce",
-                 "TriForce, prompt lookup level 1": "triforce"}
+# Notebook 06's row labels, the decode() method each one ran and its drafter: the feature head, the head behind
+# prompt lookup (draft_lookup), or prompt lookup alone
+SPEED_METHODS = {"EAGLE (full cache)": ("spec", "feature"), "EAGLE behind prompt lookup": ("spec", "feature+lookup"),
+                 "prompt lookup": ("spec", "ngram"), "BudgetDraft (budget cache)": ("budgetdraft", "feature"),
+                 "TriForce, feature level 1": ("triforce", "feature"),
+                 "TriForce, prompt lookup level 1": ("triforce", "ngram")}
 
 
 def _row(method: str, options: dict[str, Any], context: int, run: dict[str, Any], tokens: int) -> dict[str, Any]:
@@ -150,20 +152,21 @@ def speed_rows(folder: Path) -> list[dict[str, Any]]:
     stop = {"draft_confidence": p["feature_draft_confidence"]} if p.get("feature_draft_confidence") else {}
     rows = []
     for r in read_table(folder / SPEED):
-        method = SPEED_METHODS.get(r["method"])
-        require(method is not None, f"{folder / SPEED} names a method {r['method']!r} this reader does not know "
-                                    f"({sorted(SPEED_METHODS)}); add it to runner.results.SPEED_METHODS")
-        if r["method"] == "prompt lookup":
+        require(r["method"] in SPEED_METHODS, f"{folder / SPEED} names a method {r['method']!r} this reader does "
+                                              f"not know ({sorted(SPEED_METHODS)}); add it to "
+                                              "runner.results.SPEED_METHODS")
+        method, draft = SPEED_METHODS[r["method"]]
+        if method == "triforce":
+            options = {"draft": "ngram" if draft == "ngram" else "feature", "budget": int(r["budget"]),
+                       "gamma1": gamma1, "gamma2": gamma2}
+        elif draft == "ngram":
             options = {"draft": "ngram", "gamma": gamma}
         elif method == "spec":
             options = {"draft": "feature", "draft_cache": "full", "gamma": gamma, "draft_vocab": vocab, **stop}
-            if "prompt lookup" in r["method"]:
+            if draft == "feature+lookup":
                 options["draft_lookup"] = p["feature_draft_lookup"]
-        elif method == "budgetdraft":
-            options = {"draft": "feature", "budget": int(r["budget"]), "gamma": gamma, "draft_vocab": vocab, **stop}
         else:
-            options = {"draft": "ngram" if "prompt lookup" in r["method"] else "feature", "budget": int(r["budget"]),
-                       "gamma1": gamma1, "gamma2": gamma2}
+            options = {"draft": "feature", "budget": int(r["budget"]), "gamma": gamma, "draft_vocab": vocab, **stop}
         acceptance = {} if r.get("acceptance") is None else {"target": r["acceptance"]}
         rows.append({"method": method, "options": options, "context": int(r["context"]) - tokens, "tokens": tokens,
                      "ar_ms_per_token": r["ar_ms_per_token"], "ms_per_token": r["ms_per_token"],
