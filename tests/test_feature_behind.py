@@ -39,14 +39,14 @@ def test_a_gapped_window_is_what_the_head_computes_through_its_window_over_the_w
     starts_whole = torch.tensor([n, n + 4, n + 9])  # chains that start in the text
     starts = starts_whole - n + first + WINDOW
     with torch.no_grad():
-        whole, _ = unroll(head, features, tokens, starts_whole, steps, window=(SINK, WINDOW))
-        kept, _ = unroll(head, features[:, positions], tokens[:, positions], starts, steps, window=(SINK, WINDOW),
-                         positions=positions)
+        whole, _, _ = unroll(head, features, tokens, starts_whole, steps, window=(SINK, WINDOW))
+        kept, _, _ = unroll(head, features[:, positions], tokens[:, positions], starts, steps, window=(SINK, WINDOW),
+                            positions=positions)
         torch.testing.assert_close(kept[0][0, first + WINDOW - 1:], whole[0][0, n - 1:], rtol=1e-5, atol=1e-5)
         for j in range(1, steps + 1):
             torch.testing.assert_close(kept[j], whole[j], rtol=1e-5, atol=1e-5)
         # without the window the head would see prefix entries the window drops: the gapped reading differs
-        full, _ = unroll(head, features, tokens, starts_whole, 0)
+        full, _, _ = unroll(head, features, tokens, starts_whole, 0)
         assert not torch.allclose(kept[0][0, -5:], full[0][0, -5:], atol=1e-3)
     with pytest.raises(SparsedraftError, match="before the window's last run of consecutive positions"):
         unroll(head, features[:, positions], tokens[:, positions], torch.tensor([1]), 1, window=(SINK, WINDOW),

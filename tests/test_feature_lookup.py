@@ -85,7 +85,7 @@ def test_the_head_reads_the_same_row_drafting_filling_its_cache_and_training(pai
     capture = Capture(layers=set(), hidden=True)
     target(prompt, capture=capture)
     features, tokens = capture.features, prompt
-    trained, _ = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long), 0)
+    trained, _, _ = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long), 0)
     cache = StaticCache(head.cfg, tokens.shape[1], 1, head.dtype, head.device)
     filled = prefill(Entries(head, features, head.lookups_for(tokens)), cache, tokens[:, 1:])  # last entry's logits
     torch.testing.assert_close(filled, head.logits(trained[0][:, -1]), rtol=1e-4, atol=1e-4)
@@ -163,9 +163,9 @@ def test_a_window_read_behind_a_prefix_carries_lookups_over_the_whole_reading(tm
     first = sink + 1 + window
     starts_whole = torch.tensor([n, n + 5])
     with torch.no_grad():
-        full, _ = unroll(head, features, whole, starts_whole, steps, window=(sink, window))
-        kept, _ = unroll(head, features[:, w.positions], w.tokens[None], starts_whole - n + first, steps,
-                         window=(sink, window), positions=w.positions, lookups=w.lookups[None])
+        full, _, _ = unroll(head, features, whole, starts_whole, steps, window=(sink, window))
+        kept, _, _ = unroll(head, features[:, w.positions], w.tokens[None], starts_whole - n + first, steps,
+                            window=(sink, window), positions=w.positions, lookups=w.lookups[None])
     torch.testing.assert_close(kept[0][0, first - 1:], full[0][0, n - 1:], rtol=1e-5, atol=1e-5)
     for j in range(1, steps + 1):
         torch.testing.assert_close(kept[j], full[j], rtol=1e-5, atol=1e-5)

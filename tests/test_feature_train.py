@@ -56,7 +56,7 @@ def test_unrolled_steps_are_what_the_head_computes_over_its_cache():
     tokens = torch.randint(target.cfg.vocab_size, (1, t), generator=gen)
     starts = torch.tensor([0, 5, 9, 18])
     with torch.no_grad():
-        outs, _ = unroll(head, features, tokens, starts, steps)
+        outs, _, _ = unroll(head, features, tokens, starts, steps)
         for row, s in enumerate(starts.tolist()):
             cache = StaticCache(head.cfg, t, 1)
             if s:  # true entries 0 .. s-1, then the round's first step feeds entry s
@@ -84,7 +84,7 @@ def test_unrolled_steps_draft_what_the_feature_drafter_drafts():
     tokens = torch.cat((prompt, drafted, drafted[-1:]))[None]
     padded = torch.cat((features, torch.zeros(5, features.shape[1])))[None]
     with torch.no_grad():
-        outs, _ = unroll(head, padded, tokens, torch.tensor([10]), 3)
+        outs, _, _ = unroll(head, padded, tokens, torch.tensor([10]), 3)
     steps = [outs[0][:, 10]] + [o[:, 0] for o in outs[1:]]
     assert [int(head.logits(s).argmax()) for s in steps] == drafted.tolist()
 
@@ -436,7 +436,7 @@ def test_the_context_check_reads_the_same_text_alone_whatever_the_prefix():
                 seq = torch.cat((prefix, row))
                 start = prefix.numel() + 10
                 teacher = teacher_of(target, seq)
-                outs, _ = unroll(head, teacher["features"][None].float(), seq[None], torch.zeros(0, dtype=torch.long), 0)
+                outs, _, _ = unroll(head, teacher["features"][None].float(), seq[None], torch.zeros(0, dtype=torch.long), 0)
                 hits.append(TokenHead(head, None).predict(outs[0][:, start - 1:seq.numel() - 2])[0]
                             == teacher["greedy"][start:-1])
         return float(torch.cat(hits).float().mean())
@@ -458,8 +458,8 @@ def test_a_windowed_unroll_is_what_the_head_computes_over_a_streaming_cache():
     tokens = torch.randint(target.cfg.vocab_size, (1, t), generator=gen)
     starts = torch.tensor([3, 17, 30])
     with torch.no_grad():
-        outs, _ = unroll(head, features, tokens, starts, steps, window=(sink, window))
-        full, _ = unroll(head, features, tokens, starts, steps)
+        outs, _, _ = unroll(head, features, tokens, starts, steps, window=(sink, window))
+        full, _, _ = unroll(head, features, tokens, starts, steps)
         assert not torch.allclose(outs[0][0, 20:], full[0][0, 20:], atol=1e-3)
         for row, s in enumerate(starts.tolist()):
             cache = StreamingCache(head.cfg, sink, window, spec_slots=steps + 1, positions="true")

@@ -87,6 +87,10 @@ class FeatureTrainConfig:
     lookup_input: bool = field(default=False, metadata={
         "help": "the head also reads prompt lookup's proposal and its match length at every entry (a learnt "
                 "lookup first; docs/feature-drafter.md); from a --head-init without it, it starts as that head"})
+    lookup_gate: bool = field(default=False, metadata={
+        "help": "with lookup_input: also a learnt logit bias on lookup's proposed token per match length, read "
+                "from the match alone (docs/feature-drafter.md); from a --head-init without it, it starts as "
+                "that head"})
     unroll: int = field(default=3, metadata={"help": "draft steps of the training-time test after the first"})
     chains: int = field(default=256, metadata={"help": "chain starts per window that the unroll follows"})
     step_decay: float = field(default=0.8, metadata={"help": "weight of unroll step j is step_decay ** j"})
@@ -167,6 +171,9 @@ class FeatureTrainConfig:
         require(not self.behind or (self.head_window and self.behind > sum(self.head_window)),
                 f"reading continuations behind a prefix of {self.behind} tokens keeps what the head's window shows "
                 f"of it: give head_window SINK WINDOW with SINK + WINDOW < behind (got {list(self.head_window)})")
+        require(self.lookup_input or not self.lookup_gate,
+                "lookup_gate biases prompt lookup's proposals, which the head reads only with lookup_input: pass "
+                "--lookup-input too")
         require(self.behind_sequences <= self.sampled_sequences,
                 f"behind_sequences ({self.behind_sequences}) reads sampled continuations behind a prefix: at most "
                 f"sampled_sequences ({self.sampled_sequences})")
@@ -196,7 +203,8 @@ class FeatureTrainConfig:
         """Fields that decide the weights after a given step (``steps`` is left out so a run can be extended)."""
         shaping = {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
         for name, default in (("fuse_layers", ()), ("depth", 1), ("head_window", ()), ("behind", 0),
-                              ("behind_sequences", 0), ("lookup_input", False)):
+                              ("behind_sequences", 0), ("lookup_input", False),
+                              ("lookup_gate", False)):
             if getattr(self, name) == default:  # so runs from before the field keep their names and checkpoints
                 del shaping[name]
         return shaping

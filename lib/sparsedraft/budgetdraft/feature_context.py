@@ -36,7 +36,7 @@ from ..speculative.feature import FeatureHead
 from ..speculative.lookup_input import lookup_table
 from .feature_data import FEATURE_DATA_VERSION, Window, digest, layers_key, save_tensors, teacher_of, token_hash
 from .feature_eval import Continuations
-from .feature_loss import TokenHead, unroll
+from .feature_loss import TokenHead, rows_at, unroll
 
 
 @torch.no_grad()
@@ -58,9 +58,10 @@ def first_draft_behind(head: FeatureHead, data: Continuations, prefixes: torch.T
         for name, seq in (("alone", text), ("behind", torch.cat((prefixes[row], text)))):
             teacher = teacher_of(head.target, seq, head.fuse_layers)
             start = seq.numel() - text.numel() + data.prompt_len  # position of the first continued token
-            outs, _ = unroll(head, teacher["features"][None].to(device).float(), seq[None].to(device),
-                             torch.zeros(0, dtype=torch.long, device=device), 0, window=window)
-            drafts = tok.predict(outs[0][:, start - 1:seq.numel() - 2])[0].cpu()  # entry e drafts token e + 2
+            outs, _, read = unroll(head, teacher["features"][None].to(device).float(), seq[None].to(device),
+                                   torch.zeros(0, dtype=torch.long, device=device), 0, window=window)
+            drafted = slice(start - 1, seq.numel() - 2)  # entry e drafts token e + 2
+            drafts = tok.predict(outs[0][:, drafted], rows_at(read[0], drafted))[0].cpu()
             argmax[name] = teacher["greedy"][start:-1]  # the target's token at start + 1 .. end
             hits[name].append((drafts == argmax[name]).float())
         unchanged.append((argmax["alone"] == argmax["behind"]).float())

@@ -58,7 +58,7 @@ from ..speculative.feature import FeatureHead
 from ..speculative.lookup_first import asks_model, overrides
 from .feature_data import (FEATURE_DATA_VERSION, Window, continue_with_teacher, digest, layers_key, save_tensors,
                            token_hash)
-from .feature_loss import TokenHead, trained_from, unroll
+from .feature_loss import TokenHead, rows_at, trained_from, unroll
 from .view import BudgetView, kept_prefix
 
 if TYPE_CHECKING:
@@ -81,14 +81,14 @@ def window_agreement(head: FeatureHead, window: Window, ids: torch.Tensor | None
     tokens, greedy = window.tokens[None].to(device), window.greedy[None].to(device)
     t = tokens.shape[1]
     starts = torch.arange(0, t - 1 - steps, stride, device=device)
-    outs, _ = unroll(head, window.features[None].to(device).float(), tokens, starts, steps, window=head_window)
+    outs, _, read = unroll(head, window.features[None].to(device).float(), tokens, starts, steps, window=head_window)
     full = TokenHead(head, None)
-    out = {"first_draft": float((full.predict(outs[0]) == greedy[:, 1:]).float().mean())}
+    out = {"first_draft": float((full.predict(outs[0], read[0]) == greedy[:, 1:]).float().mean())}
     if ids is not None:
-        out["first_draft_vocab"] = float((TokenHead(head, ids.to(device)).predict(outs[0]) == greedy[:, 1:])
+        out["first_draft_vocab"] = float((TokenHead(head, ids.to(device)).predict(outs[0], read[0]) == greedy[:, 1:])
                                          .float().mean())
     for j in range(1, steps + 1):
-        out[f"step_{j}"] = float((full.predict(outs[j]) == greedy[:, starts + j + 1]).float().mean())
+        out[f"step_{j}"] = float((full.predict(outs[j], read[j]) == greedy[:, starts + j + 1]).float().mean())
     return out
 
 
@@ -110,10 +110,10 @@ def training_fit(head: FeatureHead, windows: Sequence[Window], sampled_prompt: i
             tokens = w.tokens[None].to(device)
             positions = None if w.positions is None else w.positions.to(device)
             lookups = None if w.lookups is None or not head.lookup else w.lookups[None].to(device)
-            outs, _ = unroll(head, w.features[None].to(device).float(), tokens,
-                             torch.zeros(0, dtype=torch.long, device=device), 0, window=window, positions=positions,
-                             lookups=lookups)
-            right = TokenHead(head, None).predict(outs[0])[0] == w.greedy[1:].to(device)
+            outs, _, read = unroll(head, w.features[None].to(device).float(), tokens,
+                                   torch.zeros(0, dtype=torch.long, device=device), 0, window=window,
+                                   positions=positions, lookups=lookups)
+            right = TokenHead(head, None).predict(outs[0], read[0])[0] == w.greedy[1:].to(device)
             if source == "behind":  # the prefix's sink and newest entries (what the window shows), then the text
                 require(window is not None, "a window read behind a prefix is scored through the head's window")
                 right = right[trained_from(w.positions) + window[1]:]
@@ -139,18 +139,18 @@ def budgeted_agreement(head: FeatureHead, window: Window, budgets: Sequence[int]
                                    f"largest budget {max(budgets)}; use a shorter continuation")
     capture = Capture(layers=set(range(head.depth)))
     lookups = head.lookups_for(tokens)
-    outs, view = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long, device=device), 0, None, capture,
-                        lookups=lookups)
+    outs, view, read = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long, device=device), 0, None,
+                              capture, lookups=lookups)
     tok = TokenHead(head, None)
     wanted = greedy[:, prefix + 1:]
-    out = {"full": float((tok.predict(outs[0][:, prefix:]) == wanted).float().mean())}
+    drafted_rows = rows_at(lookups, slice(prefix + 1, None))
+    out = {"full": float((tok.predict(outs[0][:, prefix:], drafted_rows) == wanted).float().mean())}
     positions = torch.arange(prefix, t - 1, device=device)
     for budget in budgets:
         kept = kept_prefix(head, capture.queries, view.keys[0], prefix, budget, chunk_size, obs_window, scoring)
         pred = head(features[:, prefix:t - 1], tokens[:, prefix + 1:], positions,
-                    BudgetView(view.keys[0], view.values[0], kept), None,
-                    None if lookups is None else lookups[:, prefix + 1:])
-        out[str(budget)] = float((tok.predict(pred) == wanted).float().mean())
+                    BudgetView(view.keys[0], view.values[0], kept), None, drafted_rows)
+        out[str(budget)] = float((tok.predict(pred, drafted_rows) == wanted).float().mean())
     return out
 
 
@@ -293,7 +293,8 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         tokens = data.tokens[row:row + 1].to(device)
         t = tokens.shape[1]
         starts = torch.arange(length - 1, t - top - 1, device=device)  # rounds whose gamma drafts all have a token
-        outs, _ = unroll(head, data.features[row:row + 1].to(device).float(), tokens, starts, top - 1, window=window)
+        outs, _, read = unroll(head, data.features[row:row + 1].to(device).float(), tokens, starts, top - 1,
+                               window=window)
         true = head.top(data.features[row:row + 1, length:t - 1]).to(device).float()  # the target's before them
         confidence.append(heads[""].logits(true).float().softmax(-1).amax(-1).flatten())
         entries = torch.arange(length - 1, t - 2)  # every first draft's entry; the chain starts lead them
@@ -303,11 +304,13 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         for g in gammas:
             lookup["rounds"][g] += stopped_rounds(at_starts.matches, g, lengths=at_starts.lengths)
         for name, tok in heads.items():
-            drafts, drafts_sure = tok.predict_sure(outs[0][:, length - 1:t - 2])  # entry e predicts token e + 2
+            drafts, drafts_sure = tok.predict_sure(outs[0][:, length - 1:t - 2],  # entry e predicts token e + 2
+                                                   rows_at(read[0], slice(length - 1, t - 2)))
             hits = drafts == tokens[:, length + 1:]
             first[name].append(hits.float().flatten())
             steps = [outs[0][:, starts]] + outs[1:]  # draft j of the round starting at each chain start
-            drafted = [tok.predict_sure(steps[j]) for j in range(top)]  # (ids, top-1 probability) per draft j
+            step_rows = [rows_at(read[0], starts)] + read[1:]
+            drafted = [tok.predict_sure(steps[j], step_rows[j]) for j in range(top)]  # (ids, top-1 prob.) per draft
             chain = torch.stack([ids[0] == tokens[0, starts + j + 2] for j, (ids, _) in enumerate(drafted)], dim=1)
             surest = torch.stack([sure[0] for _, sure in drafted], dim=1)
             for g in gammas:

@@ -153,13 +153,16 @@ def trained_from(positions: torch.Tensor | None) -> int:
 def unroll(head: FeatureHead, features: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, steps: int,
            noise: torch.Tensor | None = None, capture: Capture | None = None,
            window: tuple[int, int] | None = None, positions: torch.Tensor | None = None,
-           lookups: torch.Tensor | None = None) -> tuple[list[torch.Tensor], UnrollView]:
+           lookups: torch.Tensor | None = None
+           ) -> tuple[list[torch.Tensor], UnrollView, list[torch.Tensor | None]]:
     """Predicted features of forward 0 ([B, T-1, H], entries 0..T-2) and of draft steps 1..``steps`` ([B, n, H],
     entries ``starts + j``), for ``features`` [B, T, H] and ``tokens`` [B, T] at ``positions`` [T] (default
     0..T-1); ``noise`` is added to forward 0's input features; ``window`` (sink, window) limits what each entry
     sees (:class:`UnrollView`). Needs ``starts + steps <= T - 2``, and chains after any gap in ``positions``.
     A lookup head reads ``lookups`` [B, T, 2], indexed as the tokens (default: ``head.lookups_for(tokens)``,
-    for a window without a gap: prompt lookup reads every earlier token)."""
+    for a window without a gap: prompt lookup reads every earlier token). Third: the lookup rows each output's
+    entries read, in the outputs' shape ([B, T-1, 2], then [B, n, 2]; None without lookup), which a gated
+    head's logits read too (``TokenHead.logits(pred, rows)``)."""
     t = tokens.shape[1]
     last = int(starts.max()) if starts.numel() else -1
     require(last + steps <= t - 2, f"a chain starting at {last} needs {steps} steps inside a window of {t} tokens")
@@ -179,12 +182,19 @@ def unroll(head: FeatureHead, features: torch.Tensor, tokens: torch.Tensor, star
     def rows(index):  # the lookup rows of the entries whose tokens are tokens[:, index]
         return None if lookups is None else lookups[:, index]
 
-    outs = [head(inputs, tokens[:, 1:], at, view, capture, rows(slice(1, None)))]
+    read = [rows(slice(1, None))]
+    outs = [head(inputs, tokens[:, 1:], at, view, capture, read[0])]
     previous = outs[0][:, starts]
     for j in range(1, steps + 1):
-        previous = head(previous, tokens[:, starts + j + 1], at[starts] + j, view, None, rows(starts + j + 1))
+        read.append(rows(starts + j + 1))
+        previous = head(previous, tokens[:, starts + j + 1], at[starts] + j, view, None, read[j])
         outs.append(previous)
-    return outs, view
+    return outs, view, read
+
+
+def rows_at(rows: torch.Tensor | None, index) -> torch.Tensor | None:
+    """``rows[:, index]`` of :func:`unroll`'s lookup rows, kept beside the outputs they are cut with."""
+    return None if rows is None else rows[:, index]
 
 
 class TokenHead:
@@ -199,20 +209,24 @@ class TokenHead:
             self.index = torch.full((target.cfg.vocab_size,), -100, dtype=torch.long, device=ids.device)
             self.index[ids] = torch.arange(ids.numel(), device=ids.device)
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
+    def logits(self, features: torch.Tensor, lookups: torch.Tensor | None = None) -> torch.Tensor:
+        """``lookups``: the rows the predicting entries read (a gated head's bias); None: no gate (the target's
+        own features)."""
         normed = self.head.target.norm(features)
-        return project(self.head.target.lm_head if self.proj is None else self.proj, normed)
+        logits = project(self.head.target.lm_head if self.proj is None else self.proj, normed)
+        return self.head.gate(logits, lookups, None if self.ids is None else self.index)
 
     def targets(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens if self.ids is None else self.index[tokens]
 
-    def predict(self, features: torch.Tensor) -> torch.Tensor:
+    def predict(self, features: torch.Tensor, lookups: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (in the full vocabulary) of the argmax."""
-        return self._ids_of(self.logits(features).argmax(-1))
+        return self._ids_of(self.logits(features, lookups).argmax(-1))
 
-    def predict_sure(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict_sure(self, features: torch.Tensor, lookups: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`predict` and the argmax's softmax probability (what a drafter's ``draft_confidence`` reads)."""
-        sure, best = self.logits(features).float().softmax(-1).max(-1)
+        sure, best = self.logits(features, lookups).float().softmax(-1).max(-1)
         return self._ids_of(best), sure
 
     def _ids_of(self, best: torch.Tensor) -> torch.Tensor:
@@ -241,11 +255,13 @@ def feature_l1(pred: torch.Tensor, target: torch.Tensor, scale: float) -> torch.
 
 
 def token_ce(tokens: TokenHead, pred: torch.Tensor, greedy: torch.Tensor,
-             soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             soft: tuple[torch.Tensor, torch.Tensor] | None = None, lookups: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """Cross-entropy of the draft's logits at ``pred`` [B, n, H] against the verifier's greedy tokens [B, n], or,
     with ``soft`` = (top ids, top probabilities) [B, n, K], against the verifier's top-K distribution (renormalised
-    over the ids inside the draft vocabulary: a distillation target that also says how sure the verifier was)."""
-    logits = tokens.logits(pred).float()
+    over the ids inside the draft vocabulary: a distillation target that also says how sure the verifier was);
+    ``lookups``: the rows the predicting entries read (a gated head)."""
+    logits = tokens.logits(pred, lookups).float()
     if soft is None:
         ce = F.cross_entropy(logits.flatten(0, 1), tokens.targets(greedy).flatten(), ignore_index=-100)
         return torch.nan_to_num(ce)  # every target outside the draft vocabulary: nothing to learn here
@@ -261,9 +277,10 @@ def token_ce(tokens: TokenHead, pred: torch.Tensor, greedy: torch.Tensor,
 
 def entry_loss(tokens: TokenHead, pred: torch.Tensor, target_features: torch.Tensor, greedy: torch.Tensor,
                scale: float, feature_weight: float, token_weight: float,
-               soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, float, float]:
+               soft: tuple[torch.Tensor, torch.Tensor] | None = None, lookups: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, float, float]:
     """EAGLE's per-entry pair: (weighted sum, regression, CE)."""
-    feat, ce = feature_l1(pred, target_features, scale), token_ce(tokens, pred, greedy, soft)
+    feat, ce = feature_l1(pred, target_features, scale), token_ce(tokens, pred, greedy, soft, lookups)
     return feature_weight * feat + token_weight * ce, feat.item(), ce.item()
 
 
@@ -286,14 +303,15 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
     sparse = bool(lam) and draws.budget is not None
     capture = Capture(layers=set(range(head.depth))) if sparse else None
     lookups = (head.lookups_for(window_tokens) if lookups is None else lookups) if head.lookup else None
-    outs, view = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture, window,
-                        positions, lookups)
+    outs, view, read = unroll(head, features, window_tokens, draws.starts, unroll_steps, draws.noise, capture,
+                              window, positions, lookups)
     parts: dict[str, float] = {}
     pred0 = outs[0]
     top = head.top(features)  # what the head predicts (a fusing head reads lower layers' features too)
     first = trained_from(positions)
     feat0 = feature_l1(pred0[:, first:], top[:, first + 1:], scale)  # every entry: the regression needs no head
-    ce0 = token_ce(tokens, pred0[:, draws.ce_positions], greedy[:, draws.ce_positions + 1], at(draws.ce_positions + 1))
+    ce0 = token_ce(tokens, pred0[:, draws.ce_positions], greedy[:, draws.ce_positions + 1], at(draws.ce_positions + 1),
+                   rows_at(read[0], draws.ce_positions))
     loss_a = feature_weight * feat0 + token_weight * ce0
     parts["feat_0"], parts["token_0"] = feat0.item(), ce0.item()
     weights = 1.0
@@ -301,7 +319,8 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
         weights += step_decay ** j
         aim = draws.starts + j + 1  # what entry starts + j predicts
         term, parts[f"feat_{j}"], parts[f"token_{j}"] = entry_loss(tokens, outs[j], top[:, aim], greedy[:, aim],
-                                                                   scale, feature_weight, token_weight, at(aim))
+                                                                   scale, feature_weight, token_weight, at(aim),
+                                                                   read[j])
         loss_a = loss_a + step_decay ** j * term
     loss_a = loss_a / weights
     parts["loss_a"] = loss_a.item()
@@ -314,10 +333,11 @@ def feature_loss(head: FeatureHead, tokens: TokenHead, window_tokens: torch.Tens
     kept = kept_prefix(head, capture.queries, view.keys[0], prefix, draws.budget, chunk_size, obs_window, scoring)
     inputs = features[:, prefix:t - 1] + (0 if draws.noise is None else draws.noise[:, prefix:])
     drafted = torch.arange(prefix, t - 1, device=inputs.device) if positions is None else positions[prefix:t - 1]
+    drafted_rows = rows_at(lookups, slice(prefix + 1, None))
     pred = head(inputs, window_tokens[:, prefix + 1:], drafted, BudgetView(view.keys[0], view.values[0], kept),
-                None, None if lookups is None else lookups[:, prefix + 1:])
+                None, drafted_rows)
     loss_c, parts["feat_c"], parts["token_c"] = entry_loss(tokens, pred, top[:, prefix + 1:],
                                                            greedy[:, prefix + 1:], scale, feature_weight,
-                                                           token_weight, at(slice(prefix + 1, None)))
+                                                           token_weight, at(slice(prefix + 1, None)), drafted_rows)
     parts["loss_c"] = loss_c.item()
     return FeatureLossParts(loss_a + lam * loss_c, parts)

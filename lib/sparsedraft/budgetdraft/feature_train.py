@@ -301,13 +301,16 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         require(cfg.lookup_input or not parent.get("lookup_input"),
                 f"the drafter in {cfg.head_init} reads prompt lookup's proposals; pass --lookup-input (a head "
                 "can learn to read them, not to forget them)")
+        require(cfg.lookup_gate or not parent.get("lookup_gate"),
+                f"the drafter in {cfg.head_init} has a lookup gate; pass --lookup-gate (a head can learn a gate, "
+                "not forget one)")
         lineage = started_from(parent)
         parent_curve = read_curve(Path(cfg.head_init) / CURVE)  # read now: the export may overwrite the folder
     data = load_feature_data(cfg, target, tokenizer, progress)
     data_seconds = time.time() - began
 
-    head = FeatureHead(target.cfg, cfg.fuse_layers, cfg.depth, cfg.lookup_input).to(device=target.device,
-                                                                                    dtype=torch.float32)
+    head = FeatureHead(target.cfg, cfg.fuse_layers, cfg.depth, cfg.lookup_input, cfg.lookup_gate).to(
+        device=target.device, dtype=torch.float32)
     head.attach(target)
     step, history = 0, []
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -321,7 +324,8 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
             widen = bool(cfg.fuse_layers) and not parent_head.fuse_layers  # a top-only head learns to fuse
             deepen = cfg.depth > parent_head.depth  # new layers on top of the trained ones
             learn_lookup = cfg.lookup_input and not parent_head.lookup  # a silent lookup input to learn
-            head.load_state_dict(parent_head.state_dict(), strict=not (widen or deepen or learn_lookup))
+            learn_gate = cfg.lookup_gate and not parent_head.lookup_gate  # a gate at zero to learn
+            head.load_state_dict(parent_head.state_dict(), strict=not (widen or deepen or learn_lookup or learn_gate))
             if learn_lookup:
                 head.init_lookup(target, data.scales[-1])
             if widen:

@@ -20,7 +20,10 @@ target is refused before any forward.
 ``lookup`` adds prompt lookup's proposal to the input (:mod:`.lookup_input`): the head reads
 ``fc([f_t; e(x_{t+1})]) + lookup_fc([e(L_t); n_t])``, where ``L_t`` is what prompt lookup proposes for
 ``x_{t+2}`` from the tokens up to ``x_{t+1}`` and ``n_t`` the length of its match, so it can learn when the
-context already holds the next token (a learnt form of :mod:`.lookup_first`).
+context already holds the next token (a learnt form of :mod:`.lookup_first`). ``lookup_gate`` adds to that
+a learnt logit bias on ``L_t`` per match length ``n_t``, read from the match alone: however unfamiliar the
+target's features (behind a long prompt the lookup head stops trusting lookup, docs/feature-drafter.md), a
+long match still pulls the draft toward the copy.
 
 ``depth`` stacks more decoder layers in the head (EAGLE's is one): capacity, the
 lever left once more of the target's own text stopped moving the one-layer head
@@ -56,6 +59,8 @@ WEIGHTS = "feature_drafter.safetensors"
 RECORD = "feature_drafter.json"
 KIND = "feature"
 FORMAT = 1  # bump when the owned weights or the record change meaning
+GATE_GAIN = 32.0  # the bias is GATE_GAIN x its parameter: AdamW moves a parameter ~lr a step, and the bias
+# that pays is a few nats (docs/feature-drafter.md), so at 5e-4 a few hundred steps reach it
 
 
 class FeatureHead(nn.Module):
@@ -70,9 +75,12 @@ class FeatureHead(nn.Module):
 
     ``lookup`` adds ``lookup_fc`` [hidden + MAX_NGRAM + 1 -> hidden], started at zero (the head computes what
     it did without it), over the proposed token's embedding and a one-hot of its match length, scaled by
-    ``lookup_gain`` (the embedding's 1/RMS in, the features' RMS out, fixed at its start)."""
+    ``lookup_gain`` (the embedding's 1/RMS in, the features' RMS out, fixed at its start). ``lookup_gate``
+    (a lookup head only) adds ``lookup_bias`` [MAX_NGRAM + 1], started at zero: :meth:`logits` adds
+    ``GATE_GAIN * lookup_bias[n]`` to the logit of the proposed token where lookup matched ``n`` tokens."""
 
-    def __init__(self, cfg: ModelConfig, fuse_layers: tuple[int, ...] = (), depth: int = 1, lookup: bool = False):
+    def __init__(self, cfg: ModelConfig, fuse_layers: tuple[int, ...] = (), depth: int = 1, lookup: bool = False,
+                 lookup_gate: bool = False):
         super().__init__()
         self.cfg = self.layer_config(cfg, check_depth(depth, cfg.num_layers))
         hidden = cfg.hidden_size
@@ -88,6 +96,10 @@ class FeatureHead(nn.Module):
             self.lookup_fc = nn.Linear(hidden + MAX_NGRAM + 1, hidden, bias=False)
             nn.init.zeros_(self.lookup_fc.weight)
             self.register_buffer("lookup_gain", torch.ones(2))
+        require(lookup or not lookup_gate, "a lookup gate biases prompt lookup's proposal: it needs lookup=True")
+        self.lookup_gate = bool(lookup_gate)
+        if self.lookup_gate:
+            self.lookup_bias = nn.Parameter(torch.zeros(MAX_NGRAM + 1))
         self._borrow(None, None)
 
     @property
@@ -240,9 +252,25 @@ class FeatureHead(nn.Module):
         length = torch.nn.functional.one_hot(matched, MAX_NGRAM + 1).to(self.dtype)
         return project(self.lookup_fc, torch.cat((proposed * self.lookup_gain[0], length), -1)) * self.lookup_gain[1]
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's final norm and head (or the attached restricted head) over features [..., hidden]."""
-        return project(self._head, self.target.norm(features))
+    def logits(self, features: torch.Tensor, lookups: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's final norm and head (or the attached restricted head) over features [..., hidden]; a
+        gated head adds its bias for ``lookups`` [..., 2], the rows its entries read (:meth:`gate`)."""
+        return self.gate(project(self._head, self.target.norm(features)), lookups)
+
+    def gate(self, logits: torch.Tensor, lookups: torch.Tensor | None, columns: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """``logits`` [..., V] with ``GATE_GAIN * lookup_bias[n]`` added at each row's proposed token, for the
+        (token, n) ``lookups`` [..., 2] of the entries that predicted them; ``columns`` maps a token to its
+        column (-100: none) for logits over a restricted vocabulary. A head without a gate, or no lookups (the
+        target's own features scored), returns ``logits`` as they are."""
+        if not self.lookup_gate or lookups is None:
+            return logits
+        require(lookups.shape[:-1] == logits.shape[:-1], lambda: f"one lookup row per logits row: lookups "
+                                                                 f"{list(lookups.shape)}, logits {list(logits.shape)}")
+        token, n = lookups[..., 0], lookups[..., 1]
+        column = token if columns is None else columns[token]
+        bias = (GATE_GAIN * self.lookup_bias).to(logits.dtype)[n] * ((n > 0) & (column >= 0))
+        return logits.scatter_add(-1, column.clamp_min(0)[..., None], bias[..., None])
 
 
 class Entries:
@@ -260,7 +288,9 @@ class Entries:
         feats = self.features[:, start:start + n]
         lookups = None if self.lookups is None else self.lookups[:, start + 1:start + 1 + n]
         out = self.head(feats, tokens, positions, cache, capture, lookups)
-        return self.head.logits(out[:, -1:] if last_only else out)
+        if last_only:
+            out, lookups = out[:, -1:], None if lookups is None else lookups[:, -1:]
+        return self.head.logits(out, lookups)
 
 
 def check_depth(depth: int, num_layers: int) -> int:
@@ -331,6 +361,8 @@ def save_feature_head(head: FeatureHead, folder: str | Path, target: Transformer
         record["depth"] = head.depth
     if head.lookup:
         record["lookup_input"] = True
+    if head.lookup_gate:
+        record["lookup_gate"] = True
     tmp = folder / (RECORD + ".tmp")
     tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
     tmp.replace(folder / RECORD)
@@ -366,7 +398,7 @@ def load_feature_head(folder: str | Path, target: Transformer) -> FeatureHead:
     """The drafter in ``folder``, checked against ``target`` first, on its device and dtype and attached."""
     record = check_feature_drafter(folder, target)
     head = FeatureHead(target.cfg, tuple(record.get("fuse_layers", ())), int(record.get("depth", 1)),
-                       bool(record.get("lookup_input", False)))
+                       bool(record.get("lookup_input", False)), bool(record.get("lookup_gate", False)))
     weights = load_file(str(Path(folder) / WEIGHTS))
     missing = set(head.state_dict()) ^ set(weights)
     require(not missing, f"{folder}/{WEIGHTS} does not hold a feature head's weights (mismatched: {sorted(missing)})")

@@ -23,7 +23,8 @@ model prefill.
 
 A head that reads prompt lookup's proposals (``FeatureHead(lookup=True)``) gets
 each entry's from a :class:`~.lookup_input.LookupTable` kept beside the token
-history, grown and cut with it.
+history, grown and cut with it; a gated one's draft logits read the newest
+entry's row too.
 """
 
 from __future__ import annotations
@@ -126,11 +127,12 @@ class FeatureDrafter(Drafter):
                                          "must hand over features (TargetState.features)")
             start = self.cached
             device = self.head.device
+            rows = self._lookups(start + 1, n)
             out = self.head(self.feats[None, start:n - 1], torch.tensor([self.tokens[start + 1:n]], device=device),
-                            torch.arange(start, n - 1, device=device), self.cache, None, self._lookups(start + 1, n))
+                            torch.arange(start, n - 1, device=device), self.cache, None, rows)
             self.cached = n - 1
             predicted = out[0, -1]  # the feature of tokens[n - 1]
-            logits = self.head.logits(predicted)
+            logits = self.head.logits(predicted, None if rows is None else rows[0, -1])
             q = probabilities(logits, self.ctx.sampling)
             token = draw(q, self.ctx)
             self._grow(n)
