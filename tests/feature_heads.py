@@ -13,11 +13,11 @@ from sparsedraft.speculative.feature_drafter import FeatureDrafter
 
 
 def perturbed_head(target, fuse_layers=(), depth: int = 1, seed: int = 1, noise: float = 0.2,
-                   floor: float = 0.0, lookup: bool = False) -> tuple[FeatureHead, torch.Generator]:
+                   floor: float = 0.0, lookup: bool = False, gate: bool = False) -> tuple[FeatureHead, torch.Generator]:
     """``FeatureHead(...).init_from(target)`` with every weight moved by ``noise * (its std + floor)`` times a
     normal draw (``floor`` > 0 moves weights that start at zero, such as a deeper head's new projections or a
     lookup head's ``lookup_fc``); returns the generator too, for callers that perturb more."""
-    head = FeatureHead(target.cfg, fuse_layers, depth, lookup).init_from(target).attach(target)
+    head = FeatureHead(target.cfg, fuse_layers, depth, lookup, gate).init_from(target).attach(target)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():

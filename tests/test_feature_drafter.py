@@ -115,8 +115,8 @@ def sampling_pair(lookup: bool = False):
     target = tiny_model("qwen2", 0, **shape)
     with torch.no_grad():
         target.lm_head.weight.mul_(4)  # random weights give near-uniform laws; sharpen them
-    if lookup:  # a head that reads prompt lookup's proposals, its lookup_fc moved off zero
-        return target, perturbed_head(target, noise=0.5, floor=0.5, lookup=True)[0]
+    if lookup:  # a head that reads prompt lookup's proposals, its lookup_fc and gate moved off zero
+        return target, perturbed_head(target, noise=0.5, floor=0.5, lookup=True, gate=True)[0]
     return target, head_for(target, noise=0.5)
 
 

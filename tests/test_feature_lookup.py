@@ -6,7 +6,9 @@ head reads the same row at the same entry whether it drafts, fills its cache
 or trains. Greedy output stays the target's over every cache; the sampling
 law is held by the chi-square test in test_feature_drafter.py. Training
 starts from a head without lookup as that head, and a window read behind a
-long prefix carries lookup's rows over its whole reading.
+long prefix carries lookup's rows over its whole reading. The raced head is
+gated (``lookup_gate``): its draft logits carry the bias for the row its
+entry read, in drafting, cache filling and training alike.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from feature_heads import greedy_run, perturbed_head, raced, small_run
 from sparsedraft import SparsedraftError, decode
 from sparsedraft.budgetdraft.feature_context import behind_teacher
 from sparsedraft.budgetdraft.feature_data import Window
-from sparsedraft.budgetdraft.feature_loss import unroll
+from sparsedraft.budgetdraft.feature_loss import TokenHead, unroll
 from sparsedraft.budgetdraft.feature_train import train_feature_drafter
 from sparsedraft.engine.cache import StaticCache
 from sparsedraft.engine.prefill import prefill
 from sparsedraft.engine.tiny import tiny_model
 from sparsedraft.speculative import speculative
 from sparsedraft.speculative.drafters import ngram_lookup
-from sparsedraft.speculative.feature import Entries, FeatureHead, load_feature_head, save_feature_head
+from sparsedraft.speculative.feature import GATE_GAIN, Entries, FeatureHead, load_feature_head, save_feature_head
 from sparsedraft.speculative.feature_drafter import FeatureDrafter
 from sparsedraft.speculative.lookup_input import LookupTable, lookup_table
 
@@ -55,12 +57,14 @@ def test_the_table_is_prompt_lookups_proposal_at_every_position_and_follows_rewi
 
 
 def lookup_pair():
-    """A lookup head (EAGLE's start, which the raced target's text partly agrees with, its lookup_fc moved off
-    zero) racing a tiny target; its random 48-token prompt repeats tokens, so lookup finds matches."""
+    """A gated lookup head (EAGLE's start, which the raced target's text partly agrees with, its lookup_fc
+    moved off zero, its gate a few nats per match length) racing a tiny target; its random 48-token prompt
+    repeats tokens, so lookup finds matches."""
     def make(target):
-        head = FeatureHead(target.cfg, lookup=True).init_from(target).attach(target)
+        head = FeatureHead(target.cfg, lookup=True, lookup_gate=True).init_from(target).attach(target)
         with torch.no_grad():
             head.lookup_fc.weight.normal_(0.0, 0.003, generator=torch.Generator().manual_seed(1))  # heard, not ruling
+            head.lookup_bias.copy_(torch.tensor([0.5, 0.02, 0.05, 0.1]))  # slot 0 (no match) must stay unread
         return head.requires_grad_(False)
     return raced(make, NEW)
 
@@ -85,16 +89,41 @@ def test_the_head_reads_the_same_row_drafting_filling_its_cache_and_training(pai
     capture = Capture(layers=set(), hidden=True)
     target(prompt, capture=capture)
     features, tokens = capture.features, prompt
-    trained, _, _ = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long), 0)
+    trained, _, rows = unroll(head, features, tokens, torch.zeros(0, dtype=torch.long), 0)
     cache = StaticCache(head.cfg, tokens.shape[1], 1, head.dtype, head.device)
     filled = prefill(Entries(head, features, head.lookups_for(tokens)), cache, tokens[:, 1:])  # last entry's logits
-    torch.testing.assert_close(filled, head.logits(trained[0][:, -1]), rtol=1e-4, atol=1e-4)
+    gated = head.logits(trained[0][:, -1:], rows[0][:, -1:])
+    assert rows[0][0, -1, 1] > 0 and not torch.allclose(gated, head.logits(trained[0][:, -1:]))  # the gate is read
+    torch.testing.assert_close(filled, gated[:, -1], rtol=1e-4, atol=1e-4)
     drafter = FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=3)
     speculative(target, drafter, prompt, NEW, 3)
     assert torch.equal(drafter.lookup.table(0, len(drafter.tokens)), lookup_table(torch.tensor([drafter.tokens]))[0])
     silent = head.lookup_input(torch.zeros(1, 1, 2, dtype=torch.long))
     found = head.lookup_input(torch.tensor([[[5, 2]]]))
     assert not torch.equal(silent, found)  # the proposal reaches the head
+
+
+def test_the_gate_adds_its_bias_at_the_proposed_token_where_lookup_matched(pair):
+    """GATE_GAIN * lookup_bias[n] lands on the proposed token's logit where lookup matched n > 0 tokens, nowhere
+    else; a restricted head puts it on that token's column, or nowhere when the token is outside its vocabulary.
+    A gate needs the lookup input."""
+    target, head, _, _ = pair
+    features = torch.randn(1, 4, head.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    rows = torch.tensor([[[5, 0], [5, 1], [7, 3], [2, 2]]])
+    plain, gated = head.logits(features), head.logits(features, rows)
+    bias = torch.zeros_like(plain)
+    for i, (token, n) in enumerate(rows[0].tolist()):
+        if n:
+            bias[0, i, token] = GATE_GAIN * float(head.lookup_bias[n])
+    torch.testing.assert_close(gated - plain, bias)
+    ids = torch.tensor([2, 5, 9])  # 7 is outside: its row gets nothing
+    restricted = TokenHead(head, ids)
+    diff = restricted.logits(features, rows) - restricted.logits(features)
+    want = torch.zeros_like(diff)
+    want[0, 1, 1], want[0, 3, 0] = GATE_GAIN * float(head.lookup_bias[1]), GATE_GAIN * float(head.lookup_bias[2])
+    torch.testing.assert_close(diff, want)
+    with pytest.raises(SparsedraftError, match="needs lookup=True"):
+        FeatureHead(target.cfg, lookup_gate=True)
 
 
 def test_lookup_rows_are_required_by_a_lookup_head_and_refused_by_any_other(pair):
@@ -142,6 +171,16 @@ def test_training_learns_a_lookup_input_from_a_head_without_one(tmp_path, monkey
     with pytest.raises(SparsedraftError, match="pass --lookup-input"):
         train_feature_drafter(small_run(tmp_path, "back", head_init=str(child.run_dir / "drafter")), target,
                               progress=False, provenance=False)
+    gated = train_feature_drafter(small_run(tmp_path, "gated", head_init=str(child.run_dir / "drafter"),
+                                            lookup_input=True, lookup_gate=True), target, progress=False,
+                                  provenance=False)
+    assert float(gated.head.lookup_bias.detach()[1:].abs().max()) > 0 and gated.record["recipe"]["lookup_gate"]
+    assert load_feature_head(gated.run_dir / "drafter", target).lookup_gate
+    with pytest.raises(SparsedraftError, match="pass --lookup-gate"):
+        train_feature_drafter(small_run(tmp_path, "ungated", head_init=str(gated.run_dir / "drafter"),
+                                        lookup_input=True), target, progress=False, provenance=False)
+    with pytest.raises(SparsedraftError, match="pass --lookup-input too"):
+        small_run(tmp_path, "half", lookup_gate=True)
 
 
 def test_a_window_read_behind_a_prefix_carries_lookups_over_the_whole_reading(tmp_path):
