@@ -183,6 +183,26 @@ def test_training_learns_a_lookup_input_from_a_head_without_one(tmp_path, monkey
         small_run(tmp_path, "half", lookup_gate=True)
 
 
+def test_train_only_fits_the_gate_and_leaves_every_other_weight_as_it_started(tmp_path, monkeypatch):
+    target = tiny_model("llama")
+    parent = train_feature_drafter(small_run(tmp_path, "parent", lookup_input=True, lookup_gate=True), target,
+                                   progress=False, provenance=False)
+    fitted = train_feature_drafter(small_run(tmp_path, "fitted", head_init=str(parent.run_dir / "drafter"),
+                                             lookup_input=True, lookup_gate=True, train_only=("lookup_bias",)),
+                                   target, progress=False, provenance=False)
+    before = load_feature_head(parent.run_dir / "drafter", target).state_dict()
+    after = load_feature_head(fitted.run_dir / "drafter", target).state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == ["lookup_bias"]
+    import sparsedraft.budgetdraft.feature_train as feature_train
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("teacher data made before the bad name was refused")
+    monkeypatch.setattr(feature_train, "load_feature_data", no_data)
+    with pytest.raises(SparsedraftError, match="train_only names \\['lookup_gate'\\]"):
+        train_feature_drafter(small_run(tmp_path, "typo", lookup_input=True, lookup_gate=True,
+                                        train_only=("lookup_gate",)), target, progress=False, provenance=False)
+
+
 def test_a_window_read_behind_a_prefix_carries_lookups_over_the_whole_reading(tmp_path):
     """behind_teacher keeps some of the prefix's entries; lookup reads all its tokens, so a lookup head's window
     carries the rows of the whole reading at the kept positions, and through the head's window it computes on

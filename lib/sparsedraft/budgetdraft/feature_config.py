@@ -91,6 +91,9 @@ class FeatureTrainConfig:
         "help": "with lookup_input: also a learnt logit bias on lookup's proposed token per match length, read "
                 "from the match alone (docs/feature-drafter.md); from a --head-init without it, it starts as "
                 "that head"})
+    train_only: tuple[str, ...] = field(default=(), metadata={
+        "help": "train only the head's parameters with these names or name prefixes (e.g. lookup_bias: fit a "
+                "gate to a trained head, docs/feature-drafter.md); the rest keep their start; none: all"})
     unroll: int = field(default=3, metadata={"help": "draft steps of the training-time test after the first"})
     chains: int = field(default=256, metadata={"help": "chain starts per window that the unroll follows"})
     step_decay: float = field(default=0.8, metadata={"help": "weight of unroll step j is step_decay ** j"})
@@ -204,7 +207,7 @@ class FeatureTrainConfig:
         shaping = {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
         for name, default in (("fuse_layers", ()), ("depth", 1), ("head_window", ()), ("behind", 0),
                               ("behind_sequences", 0), ("lookup_input", False),
-                              ("lookup_gate", False)):
+                              ("lookup_gate", False), ("train_only", ())):
             if getattr(self, name) == default:  # so runs from before the field keep their names and checkpoints
                 del shaping[name]
         return shaping
@@ -234,4 +237,5 @@ class FeatureTrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         require(not unknown, f"unknown feature training fields {unknown}; known fields are {sorted(known)}")
-        return cls(**{k: tuple(v) if k in ("budgets", "fuse_layers", "head_window") else v for k, v in data.items()})
+        return cls(**{k: tuple(v) if k in ("budgets", "fuse_layers", "head_window", "train_only") else v
+                      for k, v in data.items()})

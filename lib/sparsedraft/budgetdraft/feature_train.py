@@ -143,6 +143,24 @@ def step_draws(cfg: FeatureTrainConfig, step: int, windows: list[Window], scales
     return index, Draws(noise, ce_positions, starts, budget)
 
 
+def trainable(head: FeatureHead, names: tuple[str, ...]) -> list[torch.nn.Parameter]:
+    """The head's parameters named by ``names`` (a name or its prefix: ``lookup_bias``, ``layers.0``), all of them
+    for none; the others stop taking gradients, so they keep their start."""
+    params = dict(head.named_parameters())
+    if not names:
+        return list(params.values())
+
+    def named(key: str, name: str) -> bool:
+        return key == name or key.startswith(name + ".")
+    unknown = [n for n in names if not any(named(k, n) for k in params)]
+    require(not unknown, f"train_only names {unknown}, which name none of this head's parameters: "
+                         f"{sorted(params)}")
+    chosen = [p for k, p in params.items() if any(named(k, n) for n in names)]
+    for key, p in params.items():
+        p.requires_grad_(any(named(key, n) for n in names))
+    return chosen
+
+
 def train_step(cfg: FeatureTrainConfig, head: FeatureHead, tokens: TokenHead, optimizer: torch.optim.Optimizer,
                data: FeatureData, step: int) -> dict[str, Any]:
     """One optimizer step (index ``step``, 0-based) on one window; returns its history entry."""
@@ -306,6 +324,8 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
                 "not forget one)")
         lineage = started_from(parent)
         parent_curve = read_curve(Path(cfg.head_init) / CURVE)  # read now: the export may overwrite the folder
+    trainable(FeatureHead(target.cfg, cfg.fuse_layers, cfg.depth, cfg.lookup_input, cfg.lookup_gate),
+              cfg.train_only)  # a name no parameter has is refused before the teacher data is made
     data = load_feature_data(cfg, target, tokenizer, progress)
     data_seconds = time.time() - began
 
@@ -313,7 +333,7 @@ def train_feature_drafter(cfg: FeatureTrainConfig, target: Transformer | None = 
         device=target.device, dtype=torch.float32)
     head.attach(target)
     step, history = 0, []
-    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(trainable(head, cfg.train_only), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if saved is not None:
         head.load_state_dict(load_file(str(cfg.run_dir / "head.safetensors")))
         optimizer.load_state_dict(optimizer_state(cfg.run_dir / "optimizer.safetensors", saved["param_groups"]))
