@@ -52,7 +52,7 @@ def first_draft_behind(head: FeatureHead, data: Continuations, prefixes: torch.T
     device, tok = head.device, TokenHead(head, None)
     hits: dict[str, list[torch.Tensor]] = {"alone": [], "behind": []}
     unchanged = []
-    for row in range(rows):
+    for row in bar(range(rows), desc="alone and behind a prefix", unit="prompt"):
         text = data.tokens[row]
         argmax = {}
         for name, seq in (("alone", text), ("behind", torch.cat((prefixes[row], text)))):

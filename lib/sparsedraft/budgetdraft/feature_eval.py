@@ -53,6 +53,7 @@ from safetensors.torch import load_file
 from ..engine.data import Tokenizer, prompt_tokens
 from ..engine.model import Capture, Transformer
 from ..errors import require
+from ..progress import bar
 from ..speculative.drafters import ngram_lookup
 from ..speculative.feature import FeatureHead
 from ..speculative.lookup_first import asks_model, overrides
@@ -177,7 +178,7 @@ def greedy_continuations(target: Transformer, target_id: str, tokenizer: Tokeniz
     if not path.is_file():
         require(compute, f"the greedy continuations are not cached (expected {path})")
         outs = [continue_with_teacher(target, row[None], new_tokens, prompt_teacher=False, fuse_layers=fuse_layers)
-                for row in rows]
+                for row in bar(rows, desc="greedy continuations", unit="prompt")]
         save_tensors({"tokens": torch.cat([o["tokens"] for o in outs]),
                       "features": torch.cat([o["features"] for o in outs])}, path,
                      {"key": json.dumps(key, default=str)})
@@ -289,7 +290,7 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
     mixed = {k: {c: {"first": [], "rounds": {g: [] for g in gammas}, "by_lookup": []} for c in LOOKUP_OVERRIDES}
              for k in heads}
     length = data.prompt_len
-    for row in range(data.tokens.shape[0]):
+    for row in bar(range(data.tokens.shape[0]), desc="agreement", unit="prompt"):
         tokens = data.tokens[row:row + 1].to(device)
         t = tokens.shape[1]
         starts = torch.arange(length - 1, t - top - 1, device=device)  # rounds whose gamma drafts all have a token
