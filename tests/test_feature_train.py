@@ -271,6 +271,21 @@ def test_greedy_continuations_follow_the_teachers_own_greedy_tokens(tmp_path):
     assert any(not torch.equal(w.tokens[prompt:], w.greedy[prompt - 1:-1]) for w in sampled)  # the check can fail
 
 
+def test_an_offset_moves_every_sampled_prompt_that_many_tokens_into_its_stride(tmp_path):
+    from sparsedraft.budgetdraft.feature_data import sampled_teacher
+    from sparsedraft.engine.data import corpus_tokens
+    target, tokenizer = tiny_model("llama"), model_tokenizer("tiny-llama")
+    corpus = corpus_tokens(tokenizer, "train")
+    count, prompt, offset = 3, 16, 7
+    stride = corpus.numel() // count
+    moved = sampled_teacher(target, "tiny-llama", tokenizer, count, prompt, 4, 0.0, 5, tmp_path, batch=3,
+                            offset=offset)
+    for i, w in enumerate(moved):
+        assert torch.equal(w.tokens[:prompt], corpus[i * stride + offset:i * stride + offset + prompt])
+    with pytest.raises(SparsedraftError, match="smaller offset"):
+        sampled_teacher(target, "tiny-llama", tokenizer, count, prompt, 4, 0.0, 5, tmp_path, offset=stride)
+
+
 def test_training_fit_scores_a_sampled_window_on_its_continued_part_only():
     target = tiny_model("llama")
     head = random_head(target)

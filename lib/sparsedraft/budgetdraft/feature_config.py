@@ -49,6 +49,10 @@ class FeatureTrainConfig:
                 "its own cache file): more of the target's own text for the price of its decode alone"})
     sampled_prompt: int = field(default=256, metadata={"help": "prompt tokens of each sampled window"})
     sampled_tokens: int = field(default=768, metadata={"help": "sampled tokens after each prompt"})
+    sampled_offset: int = field(default=0, metadata={
+        "help": "the sampled prompts start this many tokens into each of their evenly spaced strides of the train "
+                "split: other prompts than a run with 0, so continuations a head trained on those never saw (to "
+                "fit a gate, docs/feature-drafter.md)"})
     temperature: float = field(default=0.8, metadata={
         "help": "sampling temperature of the continuations; 0: the target's greedy continuations (the loops a "
                 "greedy speculative decoder faces), one set only"})
@@ -136,8 +140,8 @@ class FeatureTrainConfig:
         for name in ("seq_len", "steps", "checkpoint_every", "sample_batch", "sampled_sets", "chunk_size", "obs_window",
                      "continuation", "sampled_prompt"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("sequences", "pydoc_sequences", "sampled_sequences", "sampled_tokens", "eval_sequences",
-                     "draft_vocab", "unroll", "chains", "warmup", "eval_every"):
+        for name in ("sequences", "pydoc_sequences", "sampled_sequences", "sampled_tokens", "sampled_offset",
+                     "eval_sequences", "draft_vocab", "unroll", "chains", "warmup", "eval_every"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("final_context", "final_tokens", "final_prompts"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
@@ -207,7 +211,7 @@ class FeatureTrainConfig:
         shaping = {k: v for k, v in self.to_dict().items() if k not in _NOT_SHAPING}
         for name, default in (("fuse_layers", ()), ("depth", 1), ("head_window", ()), ("behind", 0),
                               ("behind_sequences", 0), ("lookup_input", False),
-                              ("lookup_gate", False), ("train_only", ())):
+                              ("lookup_gate", False), ("train_only", ()), ("sampled_offset", 0)):
             if getattr(self, name) == default:  # so runs from before the field keep their names and checkpoints
                 del shaping[name]
         return shaping

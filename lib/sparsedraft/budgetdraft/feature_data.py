@@ -156,8 +156,10 @@ def _top(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, count: int, prompt_len: int,
                     new_tokens: int, temperature: float, seed: int, cache_dir: str | Path, compute: bool = True,
-                    batch: int = 32, progress: bool = False, fuse_layers: tuple[int, ...] = ()) -> list[Window]:
-    """``count`` windows of ``prompt_len + new_tokens``: prompts spread evenly over the essays' train split and
+                    batch: int = 32, progress: bool = False, fuse_layers: tuple[int, ...] = (),
+                    offset: int = 0) -> list[Window]:
+    """``count`` windows of ``prompt_len + new_tokens``: prompts spread evenly over the essays' train split
+    (``offset`` tokens into each stride: other prompts, so continuations a head never trained on) and
     the target's sampled continuations of them, ``batch`` rows per decode (through torch's GEMM), with the
     teacher the decode computed anyway; cached on disk as one file. With ``fuse_layers`` the text is the
     top-only file's (sampled once, whatever layers a head reads) and the features come from one forward per
@@ -166,9 +168,10 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
         return []
     corpus = corpus_tokens(tokenizer, "train")
     stride = corpus.numel() // count
-    require(stride >= prompt_len, f"{count} prompts of {prompt_len} tokens do not fit in the train split's "
-                                  f"{corpus.numel()} tokens; ask for fewer sampled_sequences or shorter prompts")
-    prompts = torch.stack([corpus[i * stride:i * stride + prompt_len] for i in range(count)])
+    require(stride >= offset + prompt_len, f"{count} prompts of {prompt_len} tokens, {offset} tokens into each "
+                                           f"stride, do not fit in the train split's {corpus.numel()} tokens; ask "
+                                           "for fewer sampled_sequences, shorter prompts or a smaller offset")
+    prompts = torch.stack([corpus[i * stride + offset:i * stride + offset + prompt_len] for i in range(count)])
     key = {"version": FEATURE_DATA_VERSION, "target": target_id, "config": asdict(target.cfg),
            "dtype": str(target.dtype), "prompts": token_hash(prompts),
            "new_tokens": new_tokens, "temperature": temperature, "seed": seed, "batch": batch, "linear": "gemm",
@@ -176,7 +179,7 @@ def sampled_teacher(target: Transformer, target_id: str, tokenizer: Tokenizer, c
     path = Path(cache_dir) / f"sampled-{digest(key)}.safetensors"
     if not path.is_file() and fuse_layers:
         text = sampled_teacher(target, target_id, tokenizer, count, prompt_len, new_tokens, temperature, seed,
-                               cache_dir, compute, batch, progress)
+                               cache_dir, compute, batch, progress, offset=offset)
         require(compute, f"the fused features of the sampled continuations are not cached (expected {path}); run "
                          "once without --no-teacher")
         features = [teacher_of(target, w.tokens, fuse_layers)["features"]

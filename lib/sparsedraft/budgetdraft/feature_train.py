@@ -85,7 +85,7 @@ def load_feature_data(cfg: FeatureTrainConfig, target: Transformer, tokenizer: T
     for k in range(cfg.sampled_sets):
         sampled = sampled_teacher(target, cfg.verifier, tokenizer, cfg.sampled_sequences, cfg.sampled_prompt,
                                   cfg.sampled_tokens, cfg.temperature, cfg.seed + SET_SEED_STRIDE * k, cache,
-                                  cfg.teacher, cfg.sample_batch, progress, layers)
+                                  cfg.teacher, cfg.sample_batch, progress, layers, cfg.sampled_offset)
         if k == 0 and cfg.behind:
             sink, window = cfg.head_window
             train += behind_teacher(target, cfg.verifier, sampled[:cfg.behind_sequences],
