@@ -93,7 +93,8 @@ def test_the_head_reads_the_same_row_drafting_filling_its_cache_and_training(pai
     cache = StaticCache(head.cfg, tokens.shape[1], 1, head.dtype, head.device)
     filled = prefill(Entries(head, features, head.lookups_for(tokens)), cache, tokens[:, 1:])  # last entry's logits
     gated = head.logits(trained[0][:, -1:], rows[0][:, -1:])
-    assert rows[0][0, -1, 1] > 0 and not torch.allclose(gated, head.logits(trained[0][:, -1:]))  # the gate is read
+    ungated = TokenHead(head, None).target_logits(trained[0][:, -1:])
+    assert rows[0][0, -1, 1] > 0 and not torch.allclose(gated, ungated)  # the gate is read
     torch.testing.assert_close(filled, gated[:, -1], rtol=1e-4, atol=1e-4)
     drafter = FeatureDrafter.create(head, "full", prompt.shape[1] + NEW, gamma=3)
     speculative(target, drafter, prompt, NEW, 3)
@@ -110,7 +111,7 @@ def test_the_gate_adds_its_bias_at_the_proposed_token_where_lookup_matched(pair)
     target, head, _, _ = pair
     features = torch.randn(1, 4, head.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     rows = torch.tensor([[[5, 0], [5, 1], [7, 3], [2, 2]]])
-    plain, gated = head.logits(features), head.logits(features, rows)
+    plain, gated = TokenHead(head, None).target_logits(features), head.logits(features, rows)
     bias = torch.zeros_like(plain)
     for i, (token, n) in enumerate(rows[0].tolist()):
         if n:
@@ -118,12 +119,14 @@ def test_the_gate_adds_its_bias_at_the_proposed_token_where_lookup_matched(pair)
     torch.testing.assert_close(gated - plain, bias)
     ids = torch.tensor([2, 5, 9])  # 7 is outside: its row gets nothing
     restricted = TokenHead(head, ids)
-    diff = restricted.logits(features, rows) - restricted.logits(features)
+    diff = restricted.logits(features, rows) - restricted.target_logits(features)
     want = torch.zeros_like(diff)
     want[0, 1, 1], want[0, 3, 0] = GATE_GAIN * float(head.lookup_bias[1]), GATE_GAIN * float(head.lookup_bias[2])
     torch.testing.assert_close(diff, want)
     with pytest.raises(SparsedraftError, match="needs lookup=True"):
         FeatureHead(target.cfg, lookup_gate=True)
+    with pytest.raises(SparsedraftError, match="read the lookup rows"):
+        head.logits(features)
 
 
 def test_lookup_rows_are_required_by_a_lookup_head_and_refused_by_any_other(pair):

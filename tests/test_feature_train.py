@@ -451,7 +451,8 @@ def test_the_context_check_reads_the_same_text_alone_whatever_the_prefix():
                 seq = torch.cat((prefix, row))
                 start = prefix.numel() + 10
                 teacher = teacher_of(target, seq)
-                outs, _, _ = unroll(head, teacher["features"][None].float(), seq[None], torch.zeros(0, dtype=torch.long), 0)
+                outs, _, _ = unroll(head, teacher["features"][None].float(), seq[None],
+                                    torch.zeros(0, dtype=torch.long), 0)
                 hits.append(TokenHead(head, None).predict(outs[0][:, start - 1:seq.numel() - 2])[0]
                             == teacher["greedy"][start:-1])
         return float(torch.cat(hits).float().mean())

@@ -297,7 +297,7 @@ def continuation_report(head: FeatureHead, data: Continuations, ids: torch.Tenso
         outs, _, read = unroll(head, data.features[row:row + 1].to(device).float(), tokens, starts, top - 1,
                                window=window)
         true = head.top(data.features[row:row + 1, length:t - 1]).to(device).float()  # the target's before them
-        confidence.append(heads[""].logits(true).float().softmax(-1).amax(-1).flatten())
+        confidence.append(heads[""].target_logits(true).float().softmax(-1).amax(-1).flatten())
         entries = torch.arange(length - 1, t - 2)  # every first draft's entry; the chain starts lead them
         found = lookup_matches(tokens[0].cpu(), entries, top)
         lookup["first"].append(found.matches[:, 0].float())

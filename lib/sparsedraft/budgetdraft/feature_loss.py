@@ -210,11 +210,15 @@ class TokenHead:
             self.index[ids] = torch.arange(ids.numel(), device=ids.device)
 
     def logits(self, features: torch.Tensor, lookups: torch.Tensor | None = None) -> torch.Tensor:
-        """``lookups``: the rows the predicting entries read (a gated head's bias); None: no gate (the target's
-        own features)."""
+        """The head's draft logits at its predicted ``features``; ``lookups``: the rows the predicting entries
+        read (a gated head's bias needs them)."""
+        return self.head.gate(self.target_logits(features), lookups, None if self.ids is None else self.index)
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's own norm and head over ``features`` (no gate: the target's features, or a draft's
+        before its gate)."""
         normed = self.head.target.norm(features)
-        logits = project(self.head.target.lm_head if self.proj is None else self.proj, normed)
-        return self.head.gate(logits, lookups, None if self.ids is None else self.index)
+        return project(self.head.target.lm_head if self.proj is None else self.proj, normed)
 
     def targets(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens if self.ids is None else self.index[tokens]

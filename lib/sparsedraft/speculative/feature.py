@@ -261,10 +261,12 @@ class FeatureHead(nn.Module):
              ) -> torch.Tensor:
         """``logits`` [..., V] with ``GATE_GAIN * lookup_bias[n]`` added at each row's proposed token, for the
         (token, n) ``lookups`` [..., 2] of the entries that predicted them; ``columns`` maps a token to its
-        column (-100: none) for logits over a restricted vocabulary. A head without a gate, or no lookups (the
-        target's own features scored), returns ``logits`` as they are."""
-        if not self.lookup_gate or lookups is None:
+        column (-100: none) for logits over a restricted vocabulary. A head without a gate returns ``logits``
+        as they are; a gated one refuses to score without the rows."""
+        if not self.lookup_gate:
             return logits
+        require(lookups is not None, "a gated head's draft logits read the lookup rows of the entries that "
+                                     "predicted them: pass them (unroll's third output, or the drafter's table)")
         require(lookups.shape[:-1] == logits.shape[:-1], lambda: f"one lookup row per logits row: lookups "
                                                                  f"{list(lookups.shape)}, logits {list(logits.shape)}")
         token, n = lookups[..., 0], lookups[..., 1]
