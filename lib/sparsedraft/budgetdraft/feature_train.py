@@ -149,16 +149,14 @@ def trainable(head: FeatureHead, names: tuple[str, ...]) -> list[torch.nn.Parame
     params = dict(head.named_parameters())
     if not names:
         return list(params.values())
-
-    def named(key: str, name: str) -> bool:
-        return key == name or key.startswith(name + ".")
-    unknown = [n for n in names if not any(named(k, n) for k in params)]
+    hits = {n: {k for k in params if k == n or k.startswith(n + ".")} for n in names}
+    unknown = [n for n, keys in hits.items() if not keys]
     require(not unknown, f"train_only names {unknown}, which name none of this head's parameters: "
                          f"{sorted(params)}")
-    chosen = [p for k, p in params.items() if any(named(k, n) for n in names)]
+    chosen = set().union(*hits.values())
     for key, p in params.items():
-        p.requires_grad_(any(named(key, n) for n in names))
-    return chosen
+        p.requires_grad_(key in chosen)
+    return [params[k] for k in params if k in chosen]
 
 
 def train_step(cfg: FeatureTrainConfig, head: FeatureHead, tokens: TokenHead, optimizer: torch.optim.Optimizer,
