@@ -39,8 +39,8 @@ from ..engine.model import Capture, Transformer
 from ..engine.prefill import prefill
 from ..engine.sampling import SamplingConfig, probabilities
 from ..errors import require
-from .stats import LevelStats, Stopwatch
 from .lookup_input import MAX_NGRAM
+from .stats import LevelStats, Stopwatch
 
 
 @dataclass(frozen=True)
