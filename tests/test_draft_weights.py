@@ -33,7 +33,7 @@ def target(request):
     return tiny_model(request.param, 0, **({"tie_word_embeddings": False} if request.param == "llama" else {}))
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("weights", ["int8", "w8a8", "int4", "bf16"])
 @pytest.mark.parametrize("method", sorted(RUNS))
 def test_greedy_tokens_equal_ar_with_a_quantised_self_draft(target, method, weights):
     expected = decode(target, prompt(), "ar", NEW).tokens

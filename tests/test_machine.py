@@ -112,7 +112,7 @@ def test_a_quantised_self_draft_level_is_judged_by_the_bytes_it_reads():
     row = SimpleNamespace(seconds={"level2_verify": 0.2, "verify": 0.5}, verifications={"level2": 10, "target": 5},
                           drafted={"level2": 30, "target": 20})
     steps = {}
-    for weights, kv in (("same", "same"), ("int8", "same"), ("int8", "int8"), ("int4", "int4")):
+    for weights, kv in (("same", "same"), ("int8", "same"), ("w8a8", "same"), ("int8", "int8"), ("int4", "int4")):
         opts = SimpleNamespace(budget=64, draft_weights=weights, draft_kv=kv)
         rows = method_steps(cfg, "fp32", "triforce", opts, 200, row, 1e9, 2.0)
         steps[weights, kv] = next(r for r in rows if r.step.startswith("level2"))
@@ -120,6 +120,7 @@ def test_a_quantised_self_draft_level_is_judged_by_the_bytes_it_reads():
     full = step_cost(cfg, 64, 4, 4)
     assert steps["same", "same"].gb == pytest.approx((full.weight_bytes + full.kv_bytes) / 1e9)
     assert steps["int8", "same"].gb == pytest.approx((full.weight_bytes / 4 + full.kv_bytes) / 1e9)
+    assert steps["w8a8", "same"].gb == steps["int8", "same"].gb  # the same codes; x's rounding reads nothing more
     assert steps["int8", "int8"].gb == pytest.approx((full.weight_bytes + full.kv_bytes * (1 + 4 / cfg.head_dim)) / 4 / 1e9)
     assert steps["int4", "int4"].gb < steps["int8", "int8"].gb
 

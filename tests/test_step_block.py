@@ -50,7 +50,7 @@ def _python_path(monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("weights", ["same", "int8"])
+@pytest.mark.parametrize("weights", ["same", "int8", "w8a8"])
 def test_fused_layers_give_the_python_paths_bits(built, monkeypatch, family, dtype, weights):
     target = tiny_model(family, dtype=dtype)
     target = draft_copy(target, weights)

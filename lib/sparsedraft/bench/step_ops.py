@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     parser.add_argument("--draft-weights", default="same",
-                        help="time a draft copy of the model with these weights (same, bf16, int8, int4)")
+                        help="time a draft copy of the model with these weights (same, bf16, int8, w8a8, int4)")
     parser.add_argument("--record", default="", metavar="PATH.json",
                         help="also write the rows as a results record (docs/results/) with the read bandwidth, ISA "
                              "and commit")

@@ -75,11 +75,11 @@ def _self_draft_cache(method: str, opts: Any) -> int | None:
 
 def draft_cost(cost: StepCost, cfg: ModelConfig, opts: Any, size: int) -> StepCost:
     """``cost`` with the bytes a quantised self-draft level reads (``draft_weights`` / ``draft_kv``), scales
-    included: int8 weights one byte a value (their one scale per output row left out), int4 weights half a
+    included: int8 and w8a8 weights one byte a value (their one scale per output row left out), int4 weights half a
     byte plus a scale and an offset (the dtype's) per group, int8 KV one byte plus an fp32 scale per head
     row, int4 KV half a byte plus an fp32 scale per group."""
     weights, kv = getattr(opts, "draft_weights", "same"), getattr(opts, "draft_kv", "same")
-    per_weight = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 2 * size / WEIGHT_INT4_GROUP}.get(weights, size)
+    per_weight = {"bf16": 2.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5 + 2 * size / WEIGHT_INT4_GROUP}.get(weights, size)
     per_kv = {"int8": 1.0 + 4 / cfg.head_dim, "int4": 0.5 + 4 / KV_INT4_GROUP}.get(kv, size)
     return replace(cost, weight_bytes=cost.weight_bytes * per_weight / size, kv_bytes=cost.kv_bytes * per_kv / size)
 

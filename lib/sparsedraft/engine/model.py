@@ -28,7 +28,7 @@ from ..errors import require
 from . import kernels
 from .cache import CAUSAL, Causal, Int8Slots, KVCache, RowCaches, SequenceView, StaticCache, causal_tail
 from .config import ModelConfig
-from .quant import Int8Linear
+from .quant import Int8Linear, RoundedInt8Linear
 from .rope import Rotary
 
 try:  # optional CUDA kernel; SDPA is the path the tests cover
@@ -265,6 +265,10 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         weight, bias, scale = layer._parameters["weight"], layer._parameters["bias"], None
     elif isinstance(layer, Int8Linear):  # int8 codes and a scale per output row: the same kernel
         weight, bias, scale = layer.weight_int8, layer.bias, layer.scale
+    elif isinstance(layer, RoundedInt8Linear):  # x rounded to int8 too: a step of at most 16 rows, its kernel
+        if x.numel() <= kernels.MAX_LINEAR_ROWS * x.shape[-1] and _step_fits(x):
+            return kernels.linear_rounded(x, layer.packed, layer.scale, layer.bias)
+        return layer(x)
     else:  # int4 and bf16 draft layers (quant.py): torch's kernels
         return layer(x)
     rows = x.numel() // x.shape[-1]
@@ -380,6 +384,8 @@ def _kernel_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
     if isinstance(layer, Int8Linear):
         weight = layer._buffers["weight_int8"]
         return weight if weight.is_contiguous() else None
+    if isinstance(layer, RoundedInt8Linear):  # packed codes: the block kernels tell them apart by their 4 dims
+        return layer._buffers["packed"]
     return None
 
 
@@ -409,7 +415,7 @@ def _step_linears(block: "Block", x: torch.Tensor) -> tuple[list[torch.Tensor], 
     none = torch.empty(0, dtype=x.dtype)
     tensors = []
     for layer, weight in zip(layers, weights):
-        scale = layer.scale.float().contiguous() if isinstance(layer, Int8Linear) else none
+        scale = layer.scale.float().contiguous() if isinstance(layer, (Int8Linear, RoundedInt8Linear)) else none
         tensors += [weight, none if layer.bias is None else layer.bias, scale]
     block.__dict__["_step_linears"] = (x.dtype, weights, (tensors[:9], tensors[9:]))
     return tensors[:9], tensors[9:]

@@ -26,6 +26,12 @@ the target's weights as int8, int4 (group-wise scales and offsets, torch's
 greedy output stays the target's token for token. The copy shares the
 embedding, norms and rotary tables, is made once per model and kept on it,
 and is chosen by one option, ``draft_weights`` (:data:`DRAFT_WEIGHTS`).
+
+``w8a8`` goes one step further for such a draft: int8's codes and scales, and each row of x rounded
+to int8 as well (its own scale, amax / 127), so a product is an exact int32 sum of int8 pairs. On a
+CPU without VNNI that is two instructions per 32 weights (``kernels/rounded_rows_linear.cpp``)
+instead of widening every code to a float; what the rounding costs in acceptance is measured
+against int8's (docs/engine.md, "Quantised draft levels").
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from torch import nn
 from ..errors import require
 from .config import ModelConfig
 
-DRAFT_WEIGHTS = ("same", "bf16", "int8", "int4")  # a self-draft's weights; "same": the target's own
+DRAFT_WEIGHTS = ("same", "bf16", "int8", "w8a8", "int4")  # a self-draft's weights; "same": the target's own
 INT4_GROUP = 32  # input features sharing one int4 scale and offset (divides every hidden size we load)
 
 
@@ -65,6 +71,59 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+PACK_ROWS, PACK_INPUTS = 4, 32  # rounded_rows_linear.cpp's packing: 4 weight rows side by side per 32 inputs
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] as ``kernels/rounded_rows_linear.cpp`` reads them: [N4 / 4, K32 / 32, 4, 32], N and K
+    padded with zero codes to multiples of 4 and 32, so four weight rows are one contiguous stream."""
+    n, k = codes.shape
+    padded = F.pad(codes, (0, -k % PACK_INPUTS, 0, -n % PACK_ROWS))
+    rows, inputs = padded.shape
+    return padded.view(rows // PACK_ROWS, PACK_ROWS, inputs // PACK_INPUTS, PACK_INPUTS).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """:func:`pack_codes`'s input back: [N, K]."""
+    groups, blocks = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(groups * PACK_ROWS, blocks * PACK_INPUTS)[:n, :k]
+
+
+def round_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [M, K] (float32) as int8 codes round(x * (127 / amax)), half to even, and its scale
+    amax / 127 [M, 1]: the kernel's arithmetic, true divisions both (``127.0 / t`` would multiply by a
+    reciprocal)."""
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (x * inv).round().clamp(-127, 127).to(torch.int8), amax / torch.full_like(amax, 127.0)
+
+
+class RoundedInt8Linear(nn.Module):
+    """y = (q(x) @ W_int8^T) * (sx * scale) (+ bias): :class:`Int8Linear`'s codes and scales, packed for the
+    kernel (:func:`pack_codes`), times each row of x rounded to int8 alone (:func:`round_rows`), summed exactly.
+    For draft levels only (``draft_weights="w8a8"``): rounding x changes what the level drafts. On CPU a step
+    runs ``kernels.linear_rounded`` (model.project); this torch path gives the same bits for any rows."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        codes = Int8Linear(linear)
+        self.register_buffer("packed", pack_codes(codes.weight_int8))
+        self.register_buffer("scale", codes.scale.float())
+        self.bias = codes.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        q, sx = round_rows(x.reshape(-1, shape[-1]).float())
+        codes = unpack_codes(self.packed, self.out_features, self.in_features)
+        dot = (torch._int_mm(q, codes.t()) if q.device.type == "cpu"
+               else (q.double() @ codes.double().t()))  # exact either way: |sum| < 2^53
+        y = dot.float() * (sx * self.scale)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
@@ -133,7 +192,7 @@ class Bf16Linear(nn.Module):
         return F.linear(x.to(torch.bfloat16), self.weight_bf16, bias).to(x.dtype)
 
 
-LAYERS = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear}
+LAYERS = {"bf16": Bf16Linear, "int8": Int8Linear, "w8a8": RoundedInt8Linear, "int4": Int4Linear}
 
 
 def check_draft_weights(weights: str, cfg: ModelConfig | None = None, device: torch.device | None = None) -> None:

@@ -53,8 +53,8 @@ from ...errors import require
 from ..cpuinfo import cpu_flags, read_cpuinfo
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
-                ("decode_attention.cpp", "few_rows_linear.cpp", "step_pointwise.cpp", "step_block.cpp",
-                 "bindings.cpp"))
+                ("decode_attention.cpp", "few_rows_linear.cpp", "rounded_rows_linear.cpp", "step_pointwise.cpp",
+                 "step_block.cpp", "bindings.cpp"))
 # compiled into the sources, so part of the build key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernels.h", "prefetch.h", "tiles.h"))
 MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
@@ -486,16 +486,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             lambda: f"kernels.linear takes a scale with int8 weights and only then, got {weight.dtype} and "
                     f"{'a' if scale is not None else 'no'} scale")
     if bias is None:
-        bias = _NO_BIAS.get(x.dtype)
-        if bias is None:
-            bias = _NO_BIAS[x.dtype] = torch.empty(0, dtype=x.dtype)
+        bias = _no_bias(x.dtype)
     if not x.is_contiguous():
         x = x.contiguous()
     return (_module.linear(x, weight, bias) if scale is None  # out [..., N], x's leading dims
             else _module.linear_int8(x, weight, scale.float().contiguous(), bias))
 
 
-_NO_BIAS: dict[torch.dtype, torch.Tensor] = {}  # linear's "no bias" argument, one per dtype
+_NO_BIAS: dict[torch.dtype, torch.Tensor] = {}  # the linear kernels' "no bias" argument, one per dtype
+
+
+def _no_bias(dtype: torch.dtype) -> torch.Tensor:
+    bias = _NO_BIAS.get(dtype)
+    if bias is None:
+        bias = _NO_BIAS[dtype] = torch.empty(0, dtype=dtype)
+    return bias
+
+
+def linear_rounded(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(q(x) @ codes^T) * sx * scale (+ bias)`` for 1..:data:`MAX_LINEAR_ROWS` rows of x [..., K] on CPU: each
+    row rounded to int8 alone (``sx = amax / 127``), times int8 codes packed by
+    :func:`~sparsedraft.engine.quant.pack_codes`, summed exactly in int32 (``rounded_rows_linear.cpp``). The
+    bits of :class:`~sparsedraft.engine.quant.RoundedInt8Linear`'s torch path, whatever the number of rows.
+    Call :func:`available` first."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    require(1 <= rows <= MAX_LINEAR_ROWS,
+            lambda: f"kernels.linear_rounded takes 1..{MAX_LINEAR_ROWS} rows, got {rows}; use the layer for more")
+    if bias is None:
+        bias = _no_bias(x.dtype)
+    return _module.linear_rounded(x.contiguous(), packed, scale, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

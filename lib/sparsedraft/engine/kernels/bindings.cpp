@@ -52,6 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AVX2+FMA: run few-row linear steps past pair_from rows two rows at a time (true) or all rows at once");
   m.def("linear", &few_rows_linear, "x W^T (+ b) for 1..16 rows, each weight read once (few_rows_linear.cpp)");
   m.def("linear_int8", &few_rows_linear_int8, "(x Q^T) * scale (+ b) for 1..16 rows over int8 codes Q");
+  m.def("linear_rounded", &rounded_rows_linear,
+        "(q(x) Q^T) * sx * scale (+ b): x rounded to int8 per row, packed int8 codes Q (rounded_rows_linear.cpp)");
   m.def("rms_norm", &step_rms_norm, "RMSNorm of each row, Hugging Face's order (step_pointwise.cpp)");
   m.def("rope", &step_rope, "rotary embedding of x [..., H, D] by cos, sin [..., D] (step_pointwise.cpp)");
   m.def("layer_head", &step_layer_head, "RMSNorm, q/k/v and RoPE in one call (step_block.cpp)");

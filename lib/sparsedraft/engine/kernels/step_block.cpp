@@ -22,11 +22,17 @@
 
 namespace {
 
-// lin[i], lin[i + 1], lin[i + 2]: a weight (or int8 codes), its bias (empty: none) and its scale per output row
-// (empty: not int8).
+// lin[i], lin[i + 1], lin[i + 2]: a weight (or int8 codes: [N, K] as they lie, or packed [N4 / 4, K32 / 32, 4, 32]
+// for x rounded to int8 too), its bias (empty: none) and its scale per output row (empty: not int8).
 at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& lin, size_t i) {
-  return lin[i + 2].numel() > 0 ? few_rows_linear_int8(x, lin[i], lin[i + 2], lin[i + 1])
-                                : few_rows_linear(x, lin[i], lin[i + 1]);
+  if (lin[i + 2].numel() == 0) return few_rows_linear(x, lin[i], lin[i + 1]);
+  return lin[i].dim() == 4 ? rounded_rows_linear(x, lin[i], lin[i + 2], lin[i + 1])
+                           : few_rows_linear_int8(x, lin[i], lin[i + 2], lin[i + 1]);
+}
+
+// The output features of lin[i]: its rows, or for packed codes (padded to whole groups) its scales.
+int64_t outputs(const std::vector<at::Tensor>& lin, size_t i) {
+  return lin[i].dim() == 4 ? lin[i + 2].size(0) : lin[i].size(0);
 }
 
 }  // namespace
@@ -52,10 +58,10 @@ std::vector<at::Tensor> step_layer_head(const at::Tensor& x, const at::Tensor& n
                                         const std::vector<at::Tensor>& lin, int64_t heads, const at::Tensor& cos,
                                         const at::Tensor& sin, bool rope_keys) {
   TORCH_CHECK(lin.size() == 9, "layer_head takes (weight, bias, scale) for q, k and v: 9 tensors, got ", lin.size());
-  TORCH_CHECK(x.dim() == 3 && heads >= 1 && lin[0].size(0) % heads == 0,
+  TORCH_CHECK(x.dim() == 3 && heads >= 1 && outputs(lin, 0) % heads == 0,
               "layer_head takes x [B, T, hidden] and a q_proj of heads x head_dim outputs, got ", x.sizes(), " and ",
-              lin[0].sizes(), " for ", heads, " heads");
-  const int64_t b = x.size(0), t = x.size(1), d = lin[0].size(0) / heads, kv = lin[3].size(0) / d;
+              outputs(lin, 0), " outputs for ", heads, " heads");
+  const int64_t b = x.size(0), t = x.size(1), d = outputs(lin, 0) / heads, kv = outputs(lin, 3) / d;
   const at::Tensor n = step_rms_norm(x.contiguous(), norm_weight, eps);
   const at::Tensor q = step_rope(project(n, lin, 0).view({b, t, heads, d}), cos, sin);
   at::Tensor k = project(n, lin, 3).view({b, t, kv, d});

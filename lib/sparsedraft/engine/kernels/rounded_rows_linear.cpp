@@ -1,0 +1,178 @@
+// y = (q(x) Q^T) * sx * sw (+ b) for the few rows of a draft step: int8 weight codes Q times each row of x
+// rounded to int8 (q(x), one scale sx per row), summed exactly in int32.
+//
+// Why: a level-2 draft step (the target over its retrieval view, draft_weights int8) reads int8 weights, yet
+// widening each code to a float for a multiply-add ran it at half fp32's byte rate on an AVX2 machine
+// (docs/engine.md, "Quantised draft levels"). With x rounded to 8 bits as well, 32 products are one
+// VPMADDUBSW and one VPMADDWD (llama.cpp's Q8 dot): a quarter of the instructions per weight byte. A draft
+// only has to be accepted, so the rounding of x is the draft's business; the verifier never runs this.
+//
+// Exactness: the int32 sums are exact, so any order, any vector width and any number of rows give the same
+// bits; rounding x uses one row alone (amax, 127 / amax, round half to even), so a row's result never
+// depends on the other rows of its step. The portable path and quant.py's torch path compute the same bits
+// (tests/test_rounded_rows.py holds all three to each other).
+//
+// Layout: the codes are packed once per model (quant.py's pack_codes): [N4 / 4, K32 / 32, 4, 32], four weight
+// rows side by side per 32 inputs, N and K padded with zero codes to multiples of 4 and 32, so a group of
+// four rows is one contiguous stream (an int8 row of SmolLM2 is only 9 cache lines). x [..., K] float32 or
+// bfloat16 (M <= 16 rows), scale [N] float32, bias [N] of x's dtype or empty; out [..., N] in x's dtype.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+#include "prefetch.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kGroup = 4;   // weight rows packed side by side
+constexpr int64_t kBlock = 32;  // inputs per packed block of a row
+constexpr int64_t kAheadBytes = 4096;  // how far ahead of the block in use the vector path asks for more
+
+// Row x [K] -> codes q [k32] (zero past K) and its scale: amax / 127, codes round(x * (127 / amax)) half to even.
+void round_row(const float* x, int64_t k_len, int64_t k32, int8_t* q, float* s) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < k_len; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t k = 0; k < k_len; ++k)
+    q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(x[k] * inv), -127.0f, 127.0f));
+  std::fill(q + k_len, q + k32, int8_t{0});
+  *s = amax / 127.0f;
+}
+
+// Sums of J of the group's four rows (from j0) against M rows of codes xq (k32 apart), over all blocks of
+// group g (nb blocks of kGroup * kBlock bytes); acc[j][m].
+template <int M, int J>
+void group_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int j0, bool ask, int32_t (*acc)[kMaxRows]) {
+#if defined(__AVX2__)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i sum[J][M];
+  for (int j = 0; j < J; ++j)
+    for (int m = 0; m < M; ++m) sum[j][m] = _mm256_setzero_si256();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* blk = g + b * kGroup * kBlock;
+    if (ask) {  // the stream kAheadBytes on, one request per line this group's blocks hold
+      prefetch_l2(reinterpret_cast<const char*>(blk) + kAheadBytes);
+      prefetch_l2(reinterpret_cast<const char*>(blk) + kAheadBytes + 64);
+    }
+    __m256i w[J], aw[J];
+    for (int j = 0; j < J; ++j) {
+      w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (j0 + j) * kBlock));
+      aw[j] = _mm256_abs_epi8(w[j]);  // |w| as unsigned (128 too); x takes w's sign below
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k32 + b * kBlock));
+      for (int j = 0; j < J; ++j) {  // |w| * (x signed by w) = w x; pairs <= 2 * 128 * 127 fit int16
+        const __m256i pairs = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, w[j]));
+        sum[j][m] = _mm256_add_epi32(sum[j][m], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int m = 0; m < M; ++m) {
+      const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum[j][m]), _mm256_extracti128_si256(sum[j][m], 1));
+      const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+      acc[j0 + j][m] = _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xb1)));
+    }
+#else
+  (void)ask;
+  for (int j = 0; j < J; ++j)
+    for (int m = 0; m < M; ++m) {
+      int32_t s = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* w = g + b * kGroup * kBlock + (j0 + j) * kBlock;
+        const int8_t* x = xq + m * k32 + b * kBlock;
+        for (int64_t l = 0; l < kBlock; ++l) s += static_cast<int32_t>(w[l]) * static_cast<int32_t>(x[l]);
+      }
+      acc[j0 + j][m] = s;
+    }
+#endif
+}
+
+// All four rows of each group in [g0, g1): in one pass for up to 2 rows of x, in passes of two weight rows
+// (the group's second pass from L1) up to 5, one at a time beyond, so the accumulators fit 16 registers.
+template <int M>
+void groups(const int8_t* xq, const int8_t* packed, int64_t nb, int64_t k32, int64_t g0, int64_t g1,
+            int32_t (*acc)[kGroup][kMaxRows]) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int8_t* gp = packed + g * nb * kGroup * kBlock;
+    int32_t (*a)[kMaxRows] = acc[g - g0];
+    if constexpr (M <= 2) {
+      group_sums<M, 4>(xq, gp, nb, k32, 0, true, a);
+    } else if constexpr (M <= 5) {
+      group_sums<M, 2>(xq, gp, nb, k32, 0, true, a);
+      group_sums<M, 2>(xq, gp, nb, k32, 2, false, a);
+    } else {
+      for (int j = 0; j < kGroup; ++j) group_sums<M, 1>(xq, gp, nb, k32, j, j == 0, a);
+    }
+  }
+}
+
+using GroupsFn = void (*)(const int8_t*, const int8_t*, int64_t, int64_t, int64_t, int64_t, int32_t (*)[kGroup][kMaxRows]);
+
+template <int... Ms>
+GroupsFn pick(int64_t m, std::integer_sequence<int, Ms...>) {
+  GroupsFn fn = nullptr;
+  ((m == Ms + 1 ? (fn = &groups<Ms + 1>, 0) : 0), ...);
+  return fn;
+}
+
+}  // namespace
+
+at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                               const at::Tensor& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kGroup &&
+                  packed.size(3) == kBlock && packed.is_contiguous(),
+              "rounded_rows_linear takes codes packed [N4 / 4, K32 / 32, 4, 32] (quant.pack_codes), got ",
+              packed.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(),
+              "rounded_rows_linear takes a float32 scale per output row");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "rounded_rows_linear takes float32 or bfloat16 x");
+  const int64_t k_len = x.size(-1), n_len = scale.size(0), nb = packed.size(1), k32 = nb * kBlock;
+  const int64_t m_len = k_len == 0 ? 0 : x.numel() / k_len, n_groups = packed.size(0);
+  TORCH_CHECK(m_len >= 1 && m_len <= kMaxRows, "rounded_rows_linear takes 1..", kMaxRows, " rows, got ", m_len);
+  TORCH_CHECK(k32 >= k_len && k32 - k_len < kBlock && n_groups * kGroup >= n_len && n_groups * kGroup - n_len < kGroup,
+              "rounded_rows_linear: x has ", k_len, " features and ", n_len, " scales, but the codes are packed for ",
+              k32, " inputs and ", n_groups * kGroup, " rows");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scale.device().is_cpu(),
+              "rounded_rows_linear takes CPU tensors");
+  const auto xf = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> xq(m_len * k32);
+  std::vector<float> xs(m_len);
+  for (int64_t m = 0; m < m_len; ++m)
+    round_row(xf.data_ptr<float>() + m * k_len, k_len, k32, xq.data() + m * k32, &xs[m]);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n_len;
+  auto yf = at::empty(out_sizes, x.options().dtype(at::kFloat));
+  float* yp = yf.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  const int8_t* pp = packed.data_ptr<int8_t>();
+  const GroupsFn fn = pick(m_len, std::make_integer_sequence<int, kMaxRows>{});
+  at::parallel_for(0, n_groups, 4, [&](int64_t g0, int64_t g1) {
+    std::vector<int32_t> acc_buf((g1 - g0) * kGroup * kMaxRows);
+    auto acc = reinterpret_cast<int32_t (*)[kGroup][kMaxRows]>(acc_buf.data());
+    fn(xq.data(), pp, nb, k32, g0, g1, acc);
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t j = 0; j < kGroup && g * kGroup + j < n_len; ++j) {
+        const int64_t n = g * kGroup + j;
+        for (int64_t m = 0; m < m_len; ++m) yp[m * n_len + n] = static_cast<float>(acc[g - g0][j][m]) * (xs[m] * sp[n]);
+      }
+  });
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_len, "bias must be [N]");
+    yf.add_(bias.to(at::kFloat));  // after the sum, in float32, as quant.py's torch path
+  }
+  return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());  // rounded once, to nearest even
+}
