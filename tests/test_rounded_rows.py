@@ -38,9 +38,9 @@ def test_the_kernel_gives_the_torch_paths_bits_and_rows_their_own(built, dtype, 
     x = (torch.randn(16, k) * torch.logspace(-2, 1, 16)[:, None]).to(dtype)  # rows of very different ranges
     x[5] = 0  # a zero row: its scale is 0, its output the bias
     with torch.no_grad():
-        alone = [kernels.linear_rounded(x[m:m + 1], layer.packed, layer.scale, layer.bias) for m in range(16)]
+        alone = [kernels.linear(x[m:m + 1], layer.packed, layer.bias, layer.scale) for m in range(16)]
         for rows in (1, 3, 7, 16):
-            out = kernels.linear_rounded(x[:rows], layer.packed, layer.scale, layer.bias)
+            out = kernels.linear(x[:rows], layer.packed, layer.bias, layer.scale)
             assert out.dtype == dtype and out.shape == (rows, n)
             assert torch.equal(out, layer(x[:rows]))
             assert all(torch.equal(out[m], alone[m][0]) for m in range(rows))
@@ -62,4 +62,17 @@ def test_the_layer_stays_close_to_the_float_linear():
 def test_codes_packed_for_another_shape_are_one_clear_error(built):
     layer = _layer(40, 64, True)
     with pytest.raises(RuntimeError, match="packed for 64 inputs and 40 rows"):
-        kernels.linear_rounded(torch.randn(2, 96), layer.packed, layer.scale, layer.bias)
+        kernels.linear(torch.randn(2, 96), layer.packed, layer.bias, layer.scale)
+
+
+def test_a_batch_of_steps_past_16_rows_takes_the_kernel_in_parts_with_the_same_bits(built, monkeypatch):
+    from sparsedraft.engine.model import project
+    layer = _layer(70, 64, True)
+    calls = []
+    real = kernels._module.linear_rounded
+    monkeypatch.setattr(kernels._module, "linear_rounded", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(6, 3, 64)  # six sequences' 3-token steps: 18 rows
+    with torch.no_grad():
+        out = project(layer, x)
+        assert out.shape == (6, 3, 70) and torch.equal(out, layer(x))
+    assert [shape[0] for shape in calls] == [16, 2]

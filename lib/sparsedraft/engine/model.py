@@ -265,10 +265,8 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         weight, bias, scale = layer._parameters["weight"], layer._parameters["bias"], None
     elif isinstance(layer, Int8Linear):  # int8 codes and a scale per output row: the same kernel
         weight, bias, scale = layer.weight_int8, layer.bias, layer.scale
-    elif isinstance(layer, RoundedInt8Linear):  # x rounded to int8 too: a step of at most 16 rows, its kernel
-        if x.numel() <= kernels.MAX_LINEAR_ROWS * x.shape[-1] and _step_fits(x):
-            return kernels.linear_rounded(x, layer.packed, layer.scale, layer.bias)
-        return layer(x)
+    elif isinstance(layer, RoundedInt8Linear):  # packed int8 codes, x rounded to int8 too: the kernel's other form
+        weight, bias, scale = layer.packed, layer.bias, layer.scale
     else:  # int4 and bf16 draft layers (quant.py): torch's kernels
         return layer(x)
     rows = x.numel() // x.shape[-1]
@@ -279,7 +277,7 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             and kernels.linear_fits(x[:1, :1], weight)):  # a batch of steps; prefill chunks keep GEMMs
         flat = x.reshape(rows, x.shape[-1])
         parts = [kernels.linear(flat[i:i + step], weight, bias, scale) for i in range(0, rows, step)]
-        return torch.cat(parts).view(*x.shape[:-1], weight.shape[0])
+        return torch.cat(parts).view(*x.shape[:-1], -1)  # N: packed codes' first dim is not
     return layer(x)
 
 

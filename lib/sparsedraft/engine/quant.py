@@ -104,7 +104,7 @@ class RoundedInt8Linear(nn.Module):
     """y = (q(x) @ W_int8^T) * (sx * scale) (+ bias): :class:`Int8Linear`'s codes and scales, packed for the
     kernel (:func:`pack_codes`), times each row of x rounded to int8 alone (:func:`round_rows`), summed exactly.
     For draft levels only (``draft_weights="w8a8"``): rounding x changes what the level drafts. On CPU a step
-    runs ``kernels.linear_rounded`` (model.project); this torch path gives the same bits for any rows."""
+    runs the kernel on the packed codes (``kernels.linear``, from model.project); this torch path gives the same bits for any rows."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -473,7 +473,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` for 1..:data:`MAX_LINEAR_ROWS` rows of x [..., K] on CPU (fp32 or bf16, weight [N, K]
     contiguous), each weight row read once for all rows. The weight is of x's dtype, or int8 codes with a
     ``scale`` per output row (``(x @ codes^T) * scale``: a quarter of fp32's weight bytes, the scale applied
-    after the sum). Row m's result is bitwise the same whatever the number of rows, which torch's own
+    after the sum), or int8 codes packed by :func:`~sparsedraft.engine.quant.pack_codes` (4 dims) with their
+    scale, for which each row of x is rounded to int8 on its own scale (``amax / 127``) and the products summed
+    exactly in int32 (``rounded_rows_linear.cpp``: :class:`~sparsedraft.engine.quant.RoundedInt8Linear`'s bits,
+    a draft's arithmetic). Row m's result is bitwise the same whatever the number of rows, which torch's own
     kernels do not promise. On AVX2+FMA a step of more than 8 rows runs in the layout :func:`use_pairs` says
     (two rows at a time, whose accumulators fit AVX2's 16 registers, or all at once, which spills there; same
     bits either way, measured once per process). Call :func:`available` first."""
@@ -486,36 +489,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             lambda: f"kernels.linear takes a scale with int8 weights and only then, got {weight.dtype} and "
                     f"{'a' if scale is not None else 'no'} scale")
     if bias is None:
-        bias = _no_bias(x.dtype)
+        bias = _NO_BIAS.get(x.dtype)
+        if bias is None:
+            bias = _NO_BIAS[x.dtype] = torch.empty(0, dtype=x.dtype)
     if not x.is_contiguous():
         x = x.contiguous()
-    return (_module.linear(x, weight, bias) if scale is None  # out [..., N], x's leading dims
-            else _module.linear_int8(x, weight, scale.float().contiguous(), bias))
+    if scale is None:
+        return _module.linear(x, weight, bias)  # out [..., N], x's leading dims
+    if weight.dim() == 4:
+        return _module.linear_rounded(x, weight, scale.float().contiguous(), bias)
+    return _module.linear_int8(x, weight, scale.float().contiguous(), bias)
 
 
-_NO_BIAS: dict[torch.dtype, torch.Tensor] = {}  # the linear kernels' "no bias" argument, one per dtype
-
-
-def _no_bias(dtype: torch.dtype) -> torch.Tensor:
-    bias = _NO_BIAS.get(dtype)
-    if bias is None:
-        bias = _NO_BIAS[dtype] = torch.empty(0, dtype=dtype)
-    return bias
-
-
-def linear_rounded(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``(q(x) @ codes^T) * sx * scale (+ bias)`` for 1..:data:`MAX_LINEAR_ROWS` rows of x [..., K] on CPU: each
-    row rounded to int8 alone (``sx = amax / 127``), times int8 codes packed by
-    :func:`~sparsedraft.engine.quant.pack_codes`, summed exactly in int32 (``rounded_rows_linear.cpp``). The
-    bits of :class:`~sparsedraft.engine.quant.RoundedInt8Linear`'s torch path, whatever the number of rows.
-    Call :func:`available` first."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    require(1 <= rows <= MAX_LINEAR_ROWS,
-            lambda: f"kernels.linear_rounded takes 1..{MAX_LINEAR_ROWS} rows, got {rows}; use the layer for more")
-    if bias is None:
-        bias = _no_bias(x.dtype)
-    return _module.linear_rounded(x.contiguous(), packed, scale, bias)
+_NO_BIAS: dict[torch.dtype, torch.Tensor] = {}  # linear's "no bias" argument, one per dtype
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
