@@ -111,31 +111,26 @@ void group_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int 
 #endif
 }
 
-// All four rows of each group in [g0, g1): in one pass for up to 2 rows of x, in passes of two weight rows
-// (the group's second pass from L1) up to 5, one at a time beyond, so the accumulators fit 16 registers.
+// The four rows of one group: in one pass for up to 2 rows of x, in passes of two weight rows (the group's
+// second pass from L1) up to 5, one at a time beyond, so the accumulators fit 16 registers.
 template <int M>
-void groups(const int8_t* xq, const int8_t* packed, int64_t nb, int64_t k32, int64_t g0, int64_t g1,
-            int32_t (*acc)[kGroup][kMaxRows]) {
-  for (int64_t g = g0; g < g1; ++g) {
-    const int8_t* gp = packed + g * nb * kGroup * kBlock;
-    int32_t (*a)[kMaxRows] = acc[g - g0];
-    if constexpr (M <= 2) {
-      group_sums<M, 4>(xq, gp, nb, k32, 0, true, a);
-    } else if constexpr (M <= 5) {
-      group_sums<M, 2>(xq, gp, nb, k32, 0, true, a);
-      group_sums<M, 2>(xq, gp, nb, k32, 2, false, a);
-    } else {
-      for (int j = 0; j < kGroup; ++j) group_sums<M, 1>(xq, gp, nb, k32, j, j == 0, a);
-    }
+void group_rows(const int8_t* xq, const int8_t* group, int64_t nb, int64_t k32, int32_t (*acc)[kMaxRows]) {
+  if constexpr (M <= 2) {
+    group_sums<M, 4>(xq, group, nb, k32, 0, true, acc);
+  } else if constexpr (M <= 5) {
+    group_sums<M, 2>(xq, group, nb, k32, 0, true, acc);
+    group_sums<M, 2>(xq, group, nb, k32, 2, false, acc);
+  } else {
+    for (int j = 0; j < kGroup; ++j) group_sums<M, 1>(xq, group, nb, k32, j, j == 0, acc);
   }
 }
 
-using GroupsFn = void (*)(const int8_t*, const int8_t*, int64_t, int64_t, int64_t, int64_t, int32_t (*)[kGroup][kMaxRows]);
+using GroupFn = void (*)(const int8_t*, const int8_t*, int64_t, int64_t, int32_t (*)[kMaxRows]);
 
 template <int... Ms>
-GroupsFn pick(int64_t m, std::integer_sequence<int, Ms...>) {
-  GroupsFn fn = nullptr;
-  ((m == Ms + 1 ? (fn = &groups<Ms + 1>, 0) : 0), ...);
+GroupFn pick(int64_t m, std::integer_sequence<int, Ms...>) {
+  GroupFn fn = nullptr;
+  ((m == Ms + 1 ? (fn = &group_rows<Ms + 1>, 0) : 0), ...);
   return fn;
 }
 
@@ -170,16 +165,16 @@ at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, co
   float* yp = yf.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
   const int8_t* pp = packed.data_ptr<int8_t>();
-  const GroupsFn fn = pick(m_len, std::make_integer_sequence<int, kMaxRows>{});
+  const GroupFn fn = pick(m_len, std::make_integer_sequence<int, kMaxRows>{});
   at::parallel_for(0, n_groups, 4, [&](int64_t g0, int64_t g1) {
-    std::vector<int32_t> acc_buf((g1 - g0) * kGroup * kMaxRows);
-    auto acc = reinterpret_cast<int32_t (*)[kGroup][kMaxRows]>(acc_buf.data());
-    fn(xq.data(), pp, nb, k32, g0, g1, acc);
-    for (int64_t g = g0; g < g1; ++g)
+    int32_t acc[kGroup][kMaxRows];  // one group's sums, written out before the next (no buffer per call)
+    for (int64_t g = g0; g < g1; ++g) {
+      fn(xq.data(), pp + g * nb * kGroup * kBlock, nb, k32, acc);
       for (int64_t j = 0; j < kGroup && g * kGroup + j < n_len; ++j) {
         const int64_t n = g * kGroup + j;
-        for (int64_t m = 0; m < m_len; ++m) yp[m * n_len + n] = static_cast<float>(acc[g - g0][j][m]) * (xs[m] * sp[n]);
+        for (int64_t m = 0; m < m_len; ++m) yp[m * n_len + n] = static_cast<float>(acc[j][m]) * (xs[m] * sp[n]);
       }
+    }
   });
   if (bias.defined() && bias.numel() > 0) {
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_len, "bias must be [N]");
