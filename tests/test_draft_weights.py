@@ -10,7 +10,7 @@ from sparsedraft import decode
 from sparsedraft.__main__ import build_parser
 from sparsedraft.errors import SparsedraftError
 from sparsedraft.speculative.methods import method_options
-from sparsedraft.engine.quant import Int4Linear, draft_copy
+from sparsedraft.engine.quant import Int4Linear, check_draft_weights, draft_copy
 from sparsedraft.engine.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,6 +65,13 @@ def test_the_copy_is_made_once_shares_embedding_and_norms_and_leaves_the_target_
 def test_bad_draft_weights_fail_when_the_options_are_built(method, options, match):
     with pytest.raises(SparsedraftError, match=match):
         method_options(method, **options)
+
+
+@pytest.mark.parametrize("weights", ["int4", "w8a8"])
+def test_cpu_only_draft_weights_are_refused_for_another_device(weights):
+    check_draft_weights(weights, device=torch.device("cpu"))
+    with pytest.raises(SparsedraftError, match=f"draft_weights {weights} runs on CPU only"):
+        check_draft_weights(weights, device=torch.device("cuda"))
 
 
 @pytest.mark.parametrize("widths, option, message", [

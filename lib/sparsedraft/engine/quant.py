@@ -47,6 +47,8 @@ from .config import ModelConfig
 
 DRAFT_WEIGHTS = ("same", "bf16", "int8", "w8a8", "int4")  # a self-draft's weights; "same": the target's own
 INT4_GROUP = 32  # input features sharing one int4 scale and offset (divides every hidden size we load)
+CPU_ONLY = {"int4": "torch's int4 CPU matmul",  # draft weights whose arithmetic exists on CPU alone, and why
+            "w8a8": "its kernel is a CPU one; elsewhere its exact sums would be float64 matmuls"}
 
 
 class Int8Linear(nn.Module):
@@ -198,11 +200,11 @@ LAYERS = {"bf16": Bf16Linear, "int8": Int8Linear, "w8a8": RoundedInt8Linear, "in
 def check_draft_weights(weights: str, cfg: ModelConfig | None = None, device: torch.device | None = None) -> None:
     """``weights`` names a draft copy this model (its ``cfg``) can have on ``device``; before any heavy work."""
     require(weights in DRAFT_WEIGHTS, f"draft_weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
-    if weights != "int4":
+    if weights not in CPU_ONLY:
         return
-    require(device is None or device.type == "cpu", f"draft_weights int4 runs on CPU only (torch's int4 CPU "
-                                                    f"matmul), not {device}; use int8 or bf16 there")
-    if cfg is not None:
+    require(device is None or device.type == "cpu",
+            f"draft_weights {weights} runs on CPU only ({CPU_ONLY[weights]}), not {device}; use int8 or bf16 there")
+    if weights == "int4" and cfg is not None:
         inputs = {cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim}
         require(all(n % INT4_GROUP == 0 for n in inputs),
                 f"draft_weights int4 groups {INT4_GROUP} input features per scale, but this model's linear layers "

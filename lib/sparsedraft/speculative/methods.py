@@ -136,8 +136,8 @@ DRAFT_KV_HELP = ("values of the retrieval cache a self-draft level reads: same (
                  "per token and KV head) or int4 (a scale per 32 values), quantised from the target's own KV; the "
                  "verifier's cache keeps its precision")
 DRAFT_WEIGHTS_HELP = ("weights of a draft level that is the target itself: same (the target's), bf16, int8, w8a8 "
-                      "(int8, and each row of x rounded to int8 too) or int4 (group-wise; CPU): a copy made once per "
-                      "model; the verifier keeps its own, so greedy tokens stay the target's")
+                      "(int8, and each row of x rounded to int8 too; CPU) or int4 (group-wise; CPU): a copy made once "
+                      "per model; the verifier keeps its own, so greedy tokens stay the target's")
 
 CHUNK_SCORING_HELP = ("how a budget draft cache ranks chunks: attention (observation window, per layer), keys (mean "
                       "key vs last key, per KV head); empty: the drafter's training rule")
