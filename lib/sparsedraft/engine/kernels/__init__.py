@@ -57,7 +57,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in
                  "step_block.cpp", "bindings.cpp"))
 # compiled into the sources, so part of the build key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernels.h", "prefetch.h", "tiles.h"))
-MAX_LINEAR_ROWS = 16  # rows few_rows_linear.cpp takes (decode and verification steps)
+MAX_LINEAR_ROWS = 16  # rows the few-row linear kernels take (decode and verification steps): kernels.h kLinearRows
 # Steps with at most this many query rows per KV head (a decode's group of g heads, a 2-token step) compute
 # with keys as lanes instead: row lanes would be mostly padding (3 of 16 for SmolLM2's decode). Where the
 # two cross: `python -m sparsedraft.bench.kernel_timing` times both (docs/engine.md).

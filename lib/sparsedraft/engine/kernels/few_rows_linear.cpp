@@ -4,7 +4,7 @@
 // Both are bound by reading the weights, yet the BLAS torch calls on CPU reads them at well under the
 // machine's bandwidth for one bf16 row, and for 8 fp32 rows costs up to three times one row (its
 // many-row kernels pack and block for compute). Here each weight row is loaded once and multiplied
-// into every input row while it sits in registers, so M <= kMaxRows rows cost about one.
+// into every input row while it sits in registers, so M <= kLinearRows rows cost about one.
 //
 // Exactness: output (m, n) is one fixed sequence of operations over k whatever M is: 16 lane
 // accumulators, lane l summing k = l, l + 16, ... with explicit multiply-adds (the build turns off
@@ -36,15 +36,14 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kMaxRows = 16;
 constexpr int64_t kPairFrom = 8;  // AVX2+FMA steps of more rows may run in pairs (avx2_paired, rows_paired)
 constexpr int64_t kGrain = 16;  // weight rows per parallel work item
-constexpr int64_t kAheadBytes = 4096;  // how far ahead of the weight rows in use the vector paths ask for more
 
 // Rows ahead of the current group whose share is asked for: the next group, or further when a group is
-// shorter than kAheadBytes (one bf16 row of 576 is 1152 bytes: one row ahead arrived late with several x rows).
+// shorter than kWeightsAheadBytes (prefetch.h; one bf16 row of 576 is 1152 bytes: one row ahead arrived late with
+// several x rows).
 inline int64_t ahead_rows(int64_t group, int64_t row_bytes) {
-  return std::max<int64_t>(group, (kAheadBytes + row_bytes - 1) / row_bytes);
+  return std::max<int64_t>(group, (kWeightsAheadBytes + row_bytes - 1) / row_bytes);
 }
 
 inline float madd(float a, float b, float c) {
@@ -435,7 +434,7 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1),
               "few_rows_linear takes x [..., K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
   const int64_t m_len = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1), k_len = x.size(-1), n_len = w.size(0);
-  TORCH_CHECK(m_len >= 1 && m_len <= kMaxRows, "few_rows_linear takes 1..", kMaxRows, " rows, got ", m_len);
+  TORCH_CHECK(m_len >= 1 && m_len <= kLinearRows, "few_rows_linear takes 1..", kLinearRows, " rows, got ", m_len);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "few_rows_linear takes float32 or bfloat16 x");
   const bool codes = w.scalar_type() == at::kChar;
@@ -448,7 +447,7 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
   out_sizes.back() = n_len;
   auto yf = at::empty(out_sizes, x.options().dtype(at::kFloat));
   float* yp = yf.data_ptr<float>();
-  const auto ms = std::make_integer_sequence<int, kMaxRows>{};
+  const auto ms = std::make_integer_sequence<int, kLinearRows>{};
 #if SPARSEDRAFT_TILES
   if (x.scalar_type() == at::kBFloat16 && !codes && k_len % 32 == 0 && tiles_on()) {
     std::vector<uint16_t> xv(16 * k_len);

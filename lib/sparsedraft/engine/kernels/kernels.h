@@ -29,6 +29,11 @@ std::vector<at::Tensor> step_layer_head(const at::Tensor& x, const at::Tensor& n
 at::Tensor step_layer_tail(const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& lin,
                            const at::Tensor& norm_weight, double eps);
 
+// Rows a few-row linear step takes (a decode or verification step's rows), whatever its weights: the float and
+// int8 kernels (few_rows_linear.cpp) and the rounded-x one (rounded_rows_linear.cpp). Python's
+// kernels.MAX_LINEAR_ROWS is this number.
+constexpr int64_t kLinearRows = 16;
+
 // Whether an AVX2+FMA build runs few-row linear steps of more than 8 rows two rows at a time (avx2_paired) or
 // all rows at once; the bits are the same, the speed depends on the machine, so Python measures it once and
 // sets this (kernels.use_pairs). Other builds ignore it.

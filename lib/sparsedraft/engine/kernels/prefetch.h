@@ -7,11 +7,17 @@
 // the portable fallback is the builtin.
 #pragma once
 
+#include <cstdint>
+
 #if defined(__x86_64__) || defined(__i386__)
 #define SPARSEDRAFT_PREFETCH(insn, p, locality) asm volatile(insn " %0" : : "m"(*(p)))
 #else
 #define SPARSEDRAFT_PREFETCH(insn, p, locality) __builtin_prefetch((p), 0, (locality))
 #endif
+
+// How far ahead of the weight rows in use the few-row linear kernels ask for more (few_rows_linear.cpp,
+// rounded_rows_linear.cpp): the hardware prefetcher cannot lock onto rows as short as a small model's.
+constexpr int64_t kWeightsAheadBytes = 4096;
 
 // Ask for the cache line holding p into L2 (more misses in flight than L1's fill buffers allow).
 inline void prefetch_l2(const char* p) { SPARSEDRAFT_PREFETCH("prefetcht1", p, 2); }

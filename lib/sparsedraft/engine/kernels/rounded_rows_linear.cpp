@@ -35,10 +35,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;
 constexpr int64_t kGroup = 4;   // weight rows packed side by side
 constexpr int64_t kBlock = 32;  // inputs per packed block of a row
-constexpr int64_t kAheadBytes = 4096;  // how far ahead of the block in use the vector path asks for more
 
 // Row x [K] -> codes q [k32] (zero past K) and its scale: amax / 127, codes round(x * (127 / amax)) half to even.
 void round_row(const float* x, int64_t k_len, int64_t k32, int8_t* q, float* s) {
@@ -65,7 +63,8 @@ void round_row(const float* x, int64_t k_len, int64_t k32, int8_t* q, float* s) 
 // Sums of J of the group's four rows (from j0) against M rows of codes xq (k32 apart), over all blocks of
 // group g (nb blocks of kGroup * kBlock bytes); acc[j][m].
 template <int M, int J>
-void group_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int j0, bool ask, int32_t (*acc)[kMaxRows]) {
+void group_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int j0, bool ask,
+                int32_t (*acc)[kLinearRows]) {
 #if defined(__AVX2__)
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i sum[J][M];
@@ -73,9 +72,9 @@ void group_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int 
     for (int m = 0; m < M; ++m) sum[j][m] = _mm256_setzero_si256();
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* blk = g + b * kGroup * kBlock;
-    if (ask) {  // the stream kAheadBytes on, one request per line this group's blocks hold
-      prefetch_l2(reinterpret_cast<const char*>(blk) + kAheadBytes);
-      prefetch_l2(reinterpret_cast<const char*>(blk) + kAheadBytes + 64);
+    if (ask) {  // the stream kWeightsAheadBytes on, one request per line this group's blocks hold
+      prefetch_l2(reinterpret_cast<const char*>(blk) + kWeightsAheadBytes);
+      prefetch_l2(reinterpret_cast<const char*>(blk) + kWeightsAheadBytes + 64);
     }
     __m256i w[J], aw[J];
     for (int j = 0; j < J; ++j) {
@@ -114,7 +113,7 @@ void group_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int 
 // The four rows of one group: in one pass for up to 2 rows of x, in passes of two weight rows (the group's
 // second pass from L1) up to 5, one at a time beyond, so the accumulators fit 16 registers.
 template <int M>
-void group_rows(const int8_t* xq, const int8_t* group, int64_t nb, int64_t k32, int32_t (*acc)[kMaxRows]) {
+void group_rows(const int8_t* xq, const int8_t* group, int64_t nb, int64_t k32, int32_t (*acc)[kLinearRows]) {
   if constexpr (M <= 2) {
     group_sums<M, 4>(xq, group, nb, k32, 0, true, acc);
   } else if constexpr (M <= 5) {
@@ -125,7 +124,7 @@ void group_rows(const int8_t* xq, const int8_t* group, int64_t nb, int64_t k32, 
   }
 }
 
-using GroupFn = void (*)(const int8_t*, const int8_t*, int64_t, int64_t, int32_t (*)[kMaxRows]);
+using GroupFn = void (*)(const int8_t*, const int8_t*, int64_t, int64_t, int32_t (*)[kLinearRows]);
 
 template <int... Ms>
 GroupFn pick(int64_t m, std::integer_sequence<int, Ms...>) {
@@ -148,7 +147,7 @@ at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, co
               "rounded_rows_linear takes float32 or bfloat16 x");
   const int64_t k_len = x.size(-1), n_len = scale.size(0), nb = packed.size(1), k32 = nb * kBlock;
   const int64_t m_len = k_len == 0 ? 0 : x.numel() / k_len, n_groups = packed.size(0);
-  TORCH_CHECK(m_len >= 1 && m_len <= kMaxRows, "rounded_rows_linear takes 1..", kMaxRows, " rows, got ", m_len);
+  TORCH_CHECK(m_len >= 1 && m_len <= kLinearRows, "rounded_rows_linear takes 1..", kLinearRows, " rows, got ", m_len);
   TORCH_CHECK(k32 >= k_len && k32 - k_len < kBlock && n_groups * kGroup >= n_len && n_groups * kGroup - n_len < kGroup,
               "rounded_rows_linear: x has ", k_len, " features and ", n_len, " scales, but the codes are packed for ",
               k32, " inputs and ", n_groups * kGroup, " rows");
@@ -165,9 +164,9 @@ at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, co
   float* yp = yf.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
   const int8_t* pp = packed.data_ptr<int8_t>();
-  const GroupFn fn = pick(m_len, std::make_integer_sequence<int, kMaxRows>{});
+  const GroupFn fn = pick(m_len, std::make_integer_sequence<int, kLinearRows>{});
   at::parallel_for(0, n_groups, 4, [&](int64_t g0, int64_t g1) {
-    int32_t acc[kGroup][kMaxRows];  // one group's sums, written out before the next (no buffer per call)
+    int32_t acc[kGroup][kLinearRows];  // one group's sums, written out before the next (no buffer per call)
     for (int64_t g = g0; g < g1; ++g) {
       fn(xq.data(), pp + g * nb * kGroup * kBlock, nb, k32, acc);
       for (int64_t j = 0; j < kGroup && g * kGroup + j < n_len; ++j) {
