@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from sparsedraft.engine import kernels
+from sparsedraft.engine.cpuinfo import cpu_flags
 from sparsedraft.engine.quant import RoundedInt8Linear, pack_codes, round_rows, unpack_codes
 
 
@@ -39,7 +40,7 @@ def test_the_kernel_gives_the_torch_paths_bits_and_rows_their_own(built, dtype, 
     x[5] = 0  # a zero row: its scale is 0, its output the bias
     with torch.no_grad():
         alone = [kernels.linear(x[m:m + 1], layer.packed, layer.bias, layer.scale) for m in range(16)]
-        for rows in (1, 3, 7, 16):
+        for rows in (1, 3, 7, 11, 16):  # VNNI takes 8 rows at a time: 11 is 8 + 3
             out = kernels.linear(x[:rows], layer.packed, layer.bias, layer.scale)
             assert out.dtype == dtype and out.shape == (rows, n)
             assert torch.equal(out, layer(x[:rows]))
@@ -76,3 +77,10 @@ def test_a_batch_of_steps_past_16_rows_takes_the_kernel_in_parts_with_the_same_b
         out = project(layer, x)
         assert out.shape == (6, 3, 70) and torch.equal(out, layer(x))
     assert [shape[0] for shape in calls] == [16, 2]
+
+
+def test_the_vnni_path_is_built_exactly_where_the_cpu_and_the_build_have_it(built):
+    native = built == "auto" and any(flag.startswith("-march=native") for flag in kernels._flags)
+    want = (native or built == "avx512bf16") and {"avx512_vnni", "avx512bw"} <= cpu_flags()
+    assert bool(kernels._module.vnni) == want
+    assert ("w8a8 linear on VNNI" in kernels.path()) == want

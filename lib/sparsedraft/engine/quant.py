@@ -28,8 +28,8 @@ embedding, norms and rotary tables, is made once per model and kept on it,
 and is chosen by one option, ``draft_weights`` (:data:`DRAFT_WEIGHTS`).
 
 ``w8a8`` goes one step further for such a draft: int8's codes and scales, and each row of x rounded
-to int8 as well (its own scale, amax / 127), so a product is an exact int32 sum of int8 pairs. On a
-CPU without VNNI that is two instructions per 32 weights (``kernels/rounded_rows_linear.cpp``)
+to int8 as well (its own scale, amax / 127), so a product is an exact int32 sum of int8 pairs: on
+AVX2 two instructions per 32 weights, with VNNI one per 64 (``kernels/rounded_rows_linear.cpp``),
 instead of widening every code to a float; what the rounding costs in acceptance is measured
 against int8's (docs/engine.md, "Quantised draft levels").
 """

@@ -18,7 +18,7 @@ gets one warning naming the reason and ``available() == False``; callers then ke
 Which vector path runs is chosen here, at run time, from what this CPU reports: by default
 (``auto``) the build targets it with ``-march=native`` (AVX-512, AVX2+FMA, NEON ... whatever it
 has). ``SPARSEDRAFT_KERNEL_ISA`` (or :func:`use_isa`) forces one of :data:`ISA_FLAGS` instead:
-``avx512``, ``avx512bf16`` (AVX-512 with bf16 dot products, no AMX), ``avx2`` (AVX2+FMA) or
+``avx512``, ``avx512bf16`` (AVX-512 with bf16 and VNNI int8 dot products, no AMX), ``avx2`` (AVX2+FMA) or
 ``portable`` (no vector extension beyond the architecture's baseline), so a test or a bench can run
 the path another machine would, and a path the CPU lacks is one clear error rather than an illegal
 instruction. Where the build targets AMX-BF16 (``auto`` on a CPU that has it) and Linux grants the tile
@@ -76,12 +76,13 @@ _AVX512 = [*_COMMON, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-ma
 _AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}
 ISA_FLAGS = {
     "avx512": _AVX512,
-    "avx512bf16": [*_AVX512, "-mavx512bf16"],  # bf16 dot products, no AMX: what such a CPU's build runs
+    # bf16 and int8 (VNNI) dot products, no AMX: what such a CPU's build runs (every CPU with AVX512-BF16 has VNNI)
+    "avx512bf16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
     "avx2": [*_COMMON, "-mavx2", "-mfma", "-mf16c"],
     "portable": list(_COMMON),
 }
-ISA_NEEDS = {"avx512": _AVX512_NEEDS, "avx512bf16": _AVX512_NEEDS | {"avx512_bf16"}, "avx2": {"avx2", "fma"},
-             "portable": set()}
+ISA_NEEDS = {"avx512": _AVX512_NEEDS, "avx512bf16": _AVX512_NEEDS | {"avx512_bf16", "avx512_vnni"},
+             "avx2": {"avx2", "fma"}, "portable": set()}
 ISA_CHOICES = ("auto", *ISA_FLAGS)
 DTYPES = (torch.float32, torch.bfloat16)
 # Verification-sized steps only: beyond ~32 new tokens (a prefill chunk) SDPA's GEMMs catch up in bf16
@@ -358,7 +359,8 @@ def path() -> str:
         chosen, by = _pairs_chosen
         pairs = (f", linear steps past {_module.pair_from} rows {'paired' if _pairs else 'unpaired'} "
                  f"({by if _pairs == chosen else 'use_pairs'})")
-    return f"{_module.vector_path} ({how}){tiles.get(_module.tiles(), '')}{pairs}"
+    vnni = ", w8a8 linear on VNNI" if getattr(_module, "vnni", False) else ""  # an older revision's build lacks it
+    return f"{_module.vector_path} ({how}){tiles.get(_module.tiles(), '')}{vnni}{pairs}"
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> None:

@@ -47,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "let bf16 attention and linear use AMX tiles where built (default) or not");
   m.def("tiles", &tiles, "1: bf16 attention and few-row linear on AMX tiles; 0: not built or off; -1: refused");
   m.attr("vector_path") = vector_path();
+  m.attr("vnni") = rounded_rows_vnni();
   m.attr("pair_from") = linear_pair_from();
   m.def("allow_pairs", [](bool on) { rows_paired.store(on); },
         "AVX2+FMA: run few-row linear steps past pair_from rows two rows at a time (true) or all rows at once");

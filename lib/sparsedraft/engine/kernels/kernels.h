@@ -21,6 +21,7 @@ at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, co
 int64_t linear_pair_from();
 at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                const at::Tensor& bias);
+bool rounded_rows_vnni();  // whether rounded_rows_linear runs on VNNI's int8 dot products in this build
 at::Tensor step_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor step_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 std::vector<at::Tensor> step_layer_head(const at::Tensor& x, const at::Tensor& norm_weight, double eps,

@@ -33,6 +33,17 @@
 #include <immintrin.h>
 #endif
 
+// VNNI's VPDPBUSD sums four u8 x s8 products into each int32 lane in one instruction, 64 bytes at a time: a
+// group's block (four rows of 32 codes, 128 bytes) is two of them per row of x, against sixteen AVX2
+// instructions. It wants one operand unsigned, and AVX-512 has no VPSIGNB to move w's sign onto x, so x goes
+// in biased by 128 (x ^ 0x80 = x + 128 in [1, 255]) and 128 * (the row's code sum) comes off after: still
+// exact int32 arithmetic, so the same bits as the other paths.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SPARSEDRAFT_VNNI 1
+#else
+#define SPARSEDRAFT_VNNI 0
+#endif
+
 namespace {
 
 constexpr int64_t kGroup = 4;   // weight rows packed side by side
@@ -110,10 +121,48 @@ void group_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int 
 #endif
 }
 
-// The four rows of one group: in one pass for up to 2 rows of x, in passes of two weight rows (the group's
-// second pass from L1) up to 5, one at a time beyond, so the accumulators fit 16 registers.
+#if SPARSEDRAFT_VNNI
+// The group's four rows against M <= 8 rows of x (from row m0): rows 0-1 of a block in one register and rows
+// 2-3 in another, x's 32 codes in both halves, so lane l of a sum belongs to weight row l / 8 of its pair.
+template <int M>
+void vnni_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int m0, bool ask,
+               int32_t (*acc)[kLinearRows]) {
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80)), ones = _mm512_set1_epi8(1);
+  __m512i sum[2][M], codes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm512_setzero_si512();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* blk = g + b * kGroup * kBlock;
+    if (ask) {
+      prefetch_l2(reinterpret_cast<const char*>(blk) + kWeightsAheadBytes);
+      prefetch_l2(reinterpret_cast<const char*>(blk) + kWeightsAheadBytes + 64);
+    }
+    const __m512i w[2] = {_mm512_loadu_si512(blk), _mm512_loadu_si512(blk + 2 * kBlock)};
+    for (int h = 0; h < 2; ++h) codes[h] = _mm512_dpbusd_epi32(codes[h], ones, w[h]);
+    for (int m = 0; m < M; ++m) {
+      const __m256i x32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m0 + m) * k32 + b * kBlock));
+      const __m512i xu = _mm512_xor_si512(_mm512_broadcast_i64x4(x32), bias);
+      for (int h = 0; h < 2; ++h) sum[h][m] = _mm512_dpbusd_epi32(sum[h][m], xu, w[h]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int32_t low = _mm512_mask_reduce_add_epi32(0x00ff, codes[h]), high = _mm512_mask_reduce_add_epi32(0xff00, codes[h]);
+    for (int m = 0; m < M; ++m) {
+      acc[2 * h][m0 + m] = _mm512_mask_reduce_add_epi32(0x00ff, sum[h][m]) - 128 * low;
+      acc[2 * h + 1][m0 + m] = _mm512_mask_reduce_add_epi32(0xff00, sum[h][m]) - 128 * high;
+    }
+  }
+}
+#endif
+
+// The four rows of one group. VNNI: all four at once, for 8 rows of x at a time (the second eight read the
+// group from L1). AVX2 and portable: in one pass for up to 2 rows of x, in passes of two weight rows (the
+// group's second pass from L1) up to 5, one at a time beyond, so the accumulators fit 16 registers.
 template <int M>
 void group_rows(const int8_t* xq, const int8_t* group, int64_t nb, int64_t k32, int32_t (*acc)[kLinearRows]) {
+#if SPARSEDRAFT_VNNI
+  vnni_sums<(M < 8 ? M : 8)>(xq, group, nb, k32, 0, true, acc);
+  if constexpr (M > 8) vnni_sums<M - 8>(xq, group, nb, k32, 8, false, acc);
+#else
   if constexpr (M <= 2) {
     group_sums<M, 4>(xq, group, nb, k32, 0, true, acc);
   } else if constexpr (M <= 5) {
@@ -122,6 +171,7 @@ void group_rows(const int8_t* xq, const int8_t* group, int64_t nb, int64_t k32, 
   } else {
     for (int j = 0; j < kGroup; ++j) group_sums<M, 1>(xq, group, nb, k32, j, j == 0, acc);
   }
+#endif
 }
 
 using GroupFn = void (*)(const int8_t*, const int8_t*, int64_t, int64_t, int32_t (*)[kLinearRows]);
@@ -134,6 +184,8 @@ GroupFn pick(int64_t m, std::integer_sequence<int, Ms...>) {
 }
 
 }  // namespace
+
+bool rounded_rows_vnni() { return SPARSEDRAFT_VNNI; }
 
 at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                const at::Tensor& bias) {
