@@ -85,10 +85,10 @@ def test_keys_as_lanes_and_rows_as_lanes_give_the_same_bits(built, dtype, b, kv,
 
 @pytest.fixture
 def tiles_off():
-    """bf16 attention on the same build's vector code instead of AMX tiles (skipped where it is not on tiles:
-    then the other tests already cover that code)."""
-    if not kernels.on_tiles():
-        pytest.skip("bf16 attention does not run on AMX tiles here")
+    """bf16 attention on the same build's vector code instead of AMX tiles or AVX512-BF16 dot products (skipped
+    where it runs on neither: then the other tests already cover that code)."""
+    if not (kernels.on_tiles() or kernels.on_dots()):
+        pytest.skip("bf16 attention runs on neither AMX tiles nor AVX512-BF16 dot products here")
     kernels.use_tiles(False)
     try:
         yield
@@ -103,6 +103,21 @@ def test_the_path_says_when_bf16_attention_runs_on_tiles(built):
         assert kernels._module.tiles() != 0  # -march=native on an AMX CPU builds them; -1 would say the OS refused
     if built != "auto":
         assert not kernels.on_tiles()  # the forced paths name their instruction sets, AMX not among them
+
+
+def test_bf16_attention_runs_on_dot_products_exactly_where_the_build_has_them_without_amx(built):
+    native = built == "auto" and any(flag.startswith("-march=native") for flag in kernels._flags)
+    flags = cpu_flags()
+    want = ((native or built == "avx512bf16") and {"avx512_bf16", "avx512bw"} <= flags
+            and not (native and {"amx_tile", "amx_bf16"} <= flags))
+    assert kernels.on_dots() == want
+    assert ("AVX512-BF16 dot products" in kernels.path()) == want
+    if want:
+        kernels.use_tiles(False)
+        try:
+            assert not kernels.on_dots() and "dot products" not in kernels.path()
+        finally:
+            kernels.use_tiles(True)
 
 
 @pytest.mark.parametrize("g,t,s,d", [(3, 8, 259, 64), (4, 5, 513, 128), (8, 16, 270, 64)])
@@ -143,10 +158,10 @@ def test_bf16_linear_rows_do_not_depend_on_how_threads_split_the_weight(built):
 
 
 def test_tiles_and_vector_code_are_two_paths_that_both_hold_the_contract(built):
-    """On tiles the softmax weights are rounded to bf16 before they weigh the values: the two paths agree to
-    bf16's precision, not bitwise (a generation keeps one path from start to end)."""
-    if not kernels.on_tiles():
-        pytest.skip("bf16 attention does not run on AMX tiles here")
+    """On tiles (and on AVX512-BF16 dot products) the softmax weights are rounded to bf16 before they weigh the
+    values: the two paths agree to bf16's precision, not bitwise (a generation keeps one path from start to end)."""
+    if not (kernels.on_tiles() or kernels.on_dots()):
+        pytest.skip("bf16 attention runs on neither AMX tiles nor AVX512-BF16 dot products here")
     q, k, v = _inputs(1, 3, 3, 8, 3000, 64, torch.bfloat16, seed=4, q_scale=3.0)
     w, x = (torch.randn(300, 576) / 24).bfloat16(), torch.randn(5, 576).bfloat16()
     on = kernels.attend(q, k, v, 0.125, 8), kernels.linear(x, w)

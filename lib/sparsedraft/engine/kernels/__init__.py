@@ -24,8 +24,9 @@ the path another machine would, and a path the CPU lacks is one clear error rath
 instruction. Where the build targets AMX-BF16 (``auto`` on a CPU that has it) and Linux grants the tile
 state, bf16 attention (head_dim a multiple of 32) and the bf16 few-row linear (K a multiple of 32) run on
 AMX tiles (:func:`use_tiles` turns them off for an A/B); elsewhere a build with AVX512-BF16 runs the bf16
-linear on its dot products. Every path keeps the same contract (each row's bits independent of the step's
-length); bits differ between paths, since FMA rounds once and the tiles round the softmax weights to bf16.
+linear, and bf16 attention the tile path's steps, on its dot products (:func:`on_dots`; the same switch).
+Every path keeps the same contract (each row's bits independent of the step's length); bits differ between
+paths, since FMA rounds once and the tiles and dot products round the softmax weights to bf16.
 
 :func:`supports` is the one question a caller asks (inputs, mask and build); :func:`attend_reference`
 is the oracle the tests hold it to.
@@ -253,7 +254,8 @@ def running(module: ModuleType) -> Iterator[None]:
 
 def use_tiles(on: bool) -> bool:
     """Let bf16 attention and the bf16 few-row linear run on AMX tiles where the build has them and the OS
-    grants them (the default), or keep them on the same build's vector code, so a bench or a test can run both
+    grants them (the default), and bf16 attention on AVX512-BF16 dot products where the build has those
+    without AMX, or keep them on the same build's vector code, so a bench or a test can run both
     in one process. Bits differ between the two, so a generation must not switch midway. Returns the previous
     choice."""
     global _tiles
@@ -340,6 +342,12 @@ def on_tiles() -> bool:
     return available() and _module.tiles() == 1
 
 
+def on_dots() -> bool:
+    """Whether bf16 attention (head_dim a multiple of 32) runs the tile path's steps on AVX512-BF16 dot products
+    here (a build with them and without AMX; :func:`use_tiles` switches it too); builds like :func:`available`."""
+    return available() and getattr(_module, "dots", lambda: 0)() == 1  # an older revision's build lacks it
+
+
 def path() -> str:
     """Which path the kernels run here, for a bench to print: the vector instruction set the build
     targeted and how (``AVX2+FMA (-march=native)``), or why the torch path runs instead. Builds the
@@ -359,8 +367,9 @@ def path() -> str:
         chosen, by = _pairs_chosen
         pairs = (f", linear steps past {_module.pair_from} rows {'paired' if _pairs else 'unpaired'} "
                  f"({by if _pairs == chosen else 'use_pairs'})")
+    dots = ", bf16 attention on AVX512-BF16 dot products" if on_dots() else ""
     vnni = ", w8a8 linear on VNNI" if getattr(_module, "vnni", False) else ""  # an older revision's build lacks it
-    return f"{_module.vector_path} ({how}){tiles.get(_module.tiles(), '')}{vnni}{pairs}"
+    return f"{_module.vector_path} ({how}){tiles.get(_module.tiles(), '')}{dots}{vnni}{pairs}"
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int) -> None:

@@ -19,7 +19,8 @@
 // (key, row) still gets the same chain of operations, so both ways give the same bits.
 //
 // bf16 caches on an AMX build take tiles instead (attend_chunk_tiles, below): the tile unit's fixed
-// order in place of the madd chains, the same contract.
+// order in place of the madd chains, the same contract. A build with AVX512-BF16 but no AMX takes the same
+// steps with each tile product done by dot-product instructions (attend_chunk_dots).
 //
 // Layouts: q [B, KV, R, D] with row r = i*T + t (query head i of the group, new token t); k, v
 // [B, KV, S, D] with the last dimension contiguous and consecutive keys D floats apart (views into
@@ -46,6 +47,12 @@
 #include "kernels.h"  // the signatures this file defines, checked against the list the others use
 #include "prefetch.h"
 #include "tiles.h"
+
+#if !SPARSEDRAFT_TILES && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SPARSEDRAFT_DOTS 1
+#else
+#define SPARSEDRAFT_DOTS 0
+#endif
 
 namespace {
 
@@ -831,7 +838,7 @@ void attend_chunk(const Shape& sh, const float* qt, const scalar_t* kc, const sc
     if (seen[r] > seen_by_all) weigh(s, rp, 1, v, D, r, r + 1, seen_by_all, seen[r], o);
 }
 
-#if SPARSEDRAFT_TILES
+#if SPARSEDRAFT_TILES || SPARSEDRAFT_DOTS
 // AMX tiles for bf16 caches (built where the compiler targets AMX-BF16, run once the OS grants the
 // tile state). A tile product adds each (row, column)'s products in one fixed order whatever else the
 // tile holds, so padding rows and keys never change a row's bits, and a decode and a verification of
@@ -952,6 +959,9 @@ void pair_values(const uint16_t* v, int64_t len, int64_t n32, int64_t D, uint16_
   if (next_keys != nullptr) prefetch_span(next_keys, n32 * 2 * D, next_bytes);  // a longer next chunk's rest
 }
 
+#endif
+#if SPARSEDRAFT_TILES
+
 // Scores of the 16 keys at `keys` (D = 64, rows `bytes` apart) against the query tiles Q0 and Q1 (dims 0-31 and
 // 32-63) into tile C, the keys loaded into K0 and K1. A macro, not a template: GCC's tile intrinsics paste their
 // tile numbers into the instruction text, so they must be literal numbers where the intrinsic is written (a
@@ -1069,6 +1079,97 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
 }
 #endif
 
+#if SPARSEDRAFT_DOTS
+// bf16 caches where the build has AVX512-BF16 but not AMX: the tile path's steps (scores s^T = K Q^T over the
+// packed queries, the softmax with keys as lanes, the weights rounded to bf16, o = P V over paired values), each
+// tile product done by VDPBF16PS, which adds two products (a pair of dims, or of keys) into one fp32 lane. A
+// (key, row) score takes the dim pairs in order and a (row, column) output the key pairs in order, each in a lane
+// of its own, so a row's bits never depend on the other rows of its step (the contract); they are this path's
+// own. Why: widening bf16 to fp32 for a multiply-add does one product per lane and instruction; a verification
+// at long context is compute-bound on a 2-core CPU, and this does two.
+
+// s[(j0 + i) rp + 16 qb + lane] for the KB keys at k (rows D apart): query rows 16 qb .. 16 qb + 15 (qv as
+// pack_operand lays them out, so dims 2p and 2p + 1 of the block's rows are the 64 bytes at 32 p) against key i.
+template <int KB>
+inline void score_keys_dots(const uint16_t* qv, const uint16_t* k, int64_t D, int64_t rp, int64_t qb, float* s) {
+  __m512 acc[KB];
+  for (int i = 0; i < KB; ++i) acc[i] = _mm512_setzero_ps();
+  const uint16_t* rows = qv + qb * 16 * D;
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(rows + 32 * p);
+    for (int i = 0; i < KB; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, k + i * D + 2 * p, sizeof pair);
+      acc[i] = _mm512_dpbf16_ps(acc[i], q, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+    }
+  }
+  for (int i = 0; i < KB; ++i) _mm512_storeu_ps(s + i * rp + qb * 16, acc[i]);
+}
+
+// o[r][d0 + 16 c + lane] for RB rows from r0 and NC column vectors from d0: the weights' key pairs pt[r][2p, 2p + 1]
+// against the paired values (vv as pair_values lays them out), pairs p < n32 / 2 in order.
+template <int RB, int NC>
+inline void weigh_dots(const uint16_t* pt, const uint16_t* vv, int64_t n32, int64_t D, int64_t r0, int64_t d0,
+                       float* o) {
+  __m512 acc[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < n32 / 2; ++p) {
+    __m512bh v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vv + p * 2 * D + 2 * (d0 + 16 * c));
+    for (int r = 0; r < RB; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, pt + (r0 + r) * kChunk + 2 * p, sizeof pair);
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], w);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + (r0 + r) * D + d0 + 16 * c, acc[r][c]);
+}
+
+// Rows r0 .. r0 + rows (rows <= 4) over every column: 64 at a time, then 16.
+template <int RB>
+void weigh_rows_dots(const uint16_t* pt, const uint16_t* vv, int64_t n32, int64_t D, int64_t r0, float* o) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) weigh_dots<RB, 4>(pt, vv, n32, D, r0, d0, o);
+  for (; d0 < D; d0 += 16) weigh_dots<RB, 1>(pt, vv, n32, D, r0, d0, o);
+}
+
+// attend_chunk on AVX512-BF16 dot products (bf16, D a multiple of 32): the same outputs as every path gives, in
+// its own bits.
+void attend_chunk_dots(const Shape& sh, const uint16_t* qv, float qscale, const uint16_t* kc, const uint16_t* vc,
+                       int64_t c0, int64_t len, const uint16_t* next_k, int64_t next_len, Scratch& scratch,
+                       float* o, float* m, float* l) {
+  constexpr int64_t kKeys = 8;  // keys scored side by side: 8 accumulators, each query load used 8 times
+  const int64_t D = sh.D, rp = sh.rp, R = sh.R, bytes = 2 * D, n32 = (len + 31) / 32 * 32;
+  float* s = on_lines(scratch.scores, kChunk * rp);
+  uint16_t* pt = on_lines(scratch.tiles, rp * kChunk + kChunk * D);
+  uint16_t* vv = pt + rp * kChunk;
+  int64_t j0 = 0;
+  for (; j0 + kKeys <= len; j0 += kKeys) {  // these keys' values asked for while they are scored
+    prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, (j0 + kKeys) * bytes);
+    for (int64_t qb = 0; qb < rp / 16; ++qb) score_keys_dots<kKeys>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+  }
+  for (; j0 < len; ++j0)
+    for (int64_t qb = 0; qb < rp / 16; ++qb) score_keys_dots<1>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+  float* st = on_lines(scratch.weights, R * kChunk);
+  scores_by_keys(s, rp, R, len, qscale, st);
+  softmax_tiles(sh, st, c0, len, scratch, m, l);
+  weights_bf16(st, R, rp, len, n32, pt);
+  pair_values(vc, len, n32, D, vv, reinterpret_cast<const char*>(next_k), next_len * bytes);  // asks for them
+  // keys past a row's bound got weight 0, and adding 0 changes no bits, so every row takes every key below
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) weigh_rows_dots<4>(pt, vv, n32, D, r0, o);
+  switch (R - r0) {
+    case 3: weigh_rows_dots<3>(pt, vv, n32, D, r0, o); break;
+    case 2: weigh_rows_dots<2>(pt, vv, n32, D, r0, o); break;
+    case 1: weigh_rows_dots<1>(pt, vv, n32, D, r0, o); break;
+    default: break;
+  }
+}
+#endif
+
 // Row r of (b, kv): merge its chunks in order into out.
 template <typename scalar_t>
 void merge_row(const Shape& sh, const float* o, const float* m, const float* l, int64_t r, float* acc,
@@ -1097,11 +1198,14 @@ void merge_row(const Shape& sh, const float* o, const float* m, const float* l, 
   }
 }
 
-// Whether bf16 attention with head_dim D runs on tiles: built, granted, and D a whole number of tile
-// columns. It depends on nothing a step's length changes, so decodes and verifications agree.
+// Whether bf16 attention with head_dim D runs on tiles or (without AMX) AVX512-BF16 dot products: built,
+// allowed (and for tiles granted), and D a whole number of tile columns. It depends on nothing a step's length
+// changes, so decodes and verifications agree.
 bool takes_tiles(int64_t D) {
 #if SPARSEDRAFT_TILES
   return D % 32 == 0 && tiles_on();
+#elif SPARSEDRAFT_DOTS
+  return D % 32 == 0 && tiles_allowed.load(std::memory_order_relaxed);
 #else
   (void)D;
   return false;
@@ -1165,10 +1269,8 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
   const bool tiles = std::is_same_v<scalar_t, at::BFloat16> && takes_tiles(D);
   const std::vector<float> qt = tiles ? std::vector<float>() : fold_queries(qp, heads, R, D, rp, qscale);
   std::vector<uint16_t> qv(tiles ? heads * D * rp : 0);  // per head, as pack_operand lays it out
-#if SPARSEDRAFT_TILES
   for (int64_t h = 0; tiles && h < heads; ++h)
     pack_operand(reinterpret_cast<const uint16_t*>(qp) + h * R * D, R, rp, D, qv.data() + h * D * rp);
-#endif
   const scalar_t* kp = k.data_ptr<scalar_t>();
   const scalar_t* vp = v.data_ptr<scalar_t>();
   const int64_t kb = k.stride(0), kh = k.stride(1), vb = v.stride(0), vh = v.stride(1);
@@ -1185,11 +1287,16 @@ void run(const Shape& sh, const at::Tensor& q, const at::Tensor& k, const at::Te
     const bool more = item + 1 < end;
     const scalar_t* next = more ? keys_of(item + 1) : nullptr;
     const int64_t next_len = more ? length_of(item + 1) : 0;
-#if SPARSEDRAFT_TILES
+#if SPARSEDRAFT_TILES || SPARSEDRAFT_DOTS
     if (tiles) {
       const auto bits = [](const scalar_t* x) { return reinterpret_cast<const uint16_t*>(x); };
+#if SPARSEDRAFT_TILES
       attend_chunk_tiles(sh, qv.data() + h * D * rp, qscale, bits(keys_of(item)), bits(vc), c * kChunk,
                          length_of(item), bits(next), next_len, scratch, o, m, l);
+#else
+      attend_chunk_dots(sh, qv.data() + h * D * rp, qscale, bits(keys_of(item)), bits(vc), c * kChunk,
+                        length_of(item), bits(next), next_len, scratch, o, m, l);
+#endif
       return;
     }
 #endif
@@ -1363,6 +1470,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor&
 int64_t attend_chunk() { return kChunk; }
 
 int64_t attend_lanes() { return kLanes; }
+
+int64_t attend_dots() { return SPARSEDRAFT_DOTS && tiles_allowed.load() ? 1 : 0; }
 
 at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& vc,
                        const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale, int64_t T,

@@ -15,6 +15,7 @@ at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tens
                        int64_t key_rows);
 int64_t attend_chunk();
 int64_t attend_lanes();
+int64_t attend_dots();  // 1: bf16 attention runs on AVX512-BF16 dot products (built without AMX, allowed)
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& bias);

@@ -42,10 +42,12 @@ inline void configure_tiles() {  // every tile 16 rows of 64 bytes; per thread, 
 }
 
 inline bool tiles_on() { return tiles_allowed.load(std::memory_order_relaxed) && tiles_granted(); }
+#endif
 
 // out[b][c][p][r][e] = x[16 b + r][32 c + 2 p + e]: rows [rows][K] of bf16 (K a multiple of 32) as the tile
 // unit's second operand, one 16 x 32 block after another, rows from ``rows`` to ``padded`` (a multiple of 16)
-// zero. The attention packs its query rows this way, the linear its input rows.
+// zero. The attention packs its query rows this way (on tiles and on AVX512-BF16 dot products), the linear its
+// input rows.
 inline void pack_operand(const uint16_t* x, int64_t rows, int64_t padded, int64_t K, uint16_t* out) {
   std::fill(out, out + padded * K, uint16_t{0});
   const int64_t blocks = K / 32;
@@ -53,4 +55,3 @@ inline void pack_operand(const uint16_t* x, int64_t rows, int64_t padded, int64_
     for (int64_t k = 0; k < K; ++k)
       out[(((r / 16) * blocks + k / 32) * 16 + k % 32 / 2) * 32 + r % 16 * 2 + k % 2] = x[r * K + k];
 }
-#endif
