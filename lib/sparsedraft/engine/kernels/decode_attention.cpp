@@ -1128,6 +1128,45 @@ inline void weigh_dots(const uint16_t* pt, const uint16_t* vv, int64_t n32, int6
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + (r0 + r) * D + d0 + 16 * c, acc[r][c]);
 }
 
+// Steps of at most this many rows per KV head (and sh.key_rows) score with keys as lanes (score_lanes_dots): at 32K
+// on a 2-core Zen 4 EPYC a decode's attention (3 rows) took 37.1 ms so against 42.1 with rows as lanes, while 6 rows
+// took 49.4 against 47.2 (docs/engine.md, "On an AVX512-BF16 machine without AMX").
+constexpr int64_t kDotKeyRows = 4;
+
+// st[r][j0 + lane] = qscale * the scores of the 16 keys at k (rows D apart; those from `len` on zero) against rows
+// r < R, keys as lanes: each 32-dim block of the 16 keys transposed (a key's dim pair is one 32-bit element), then
+// per row one VDPBF16PS per dim pair, in d order. A lane's operation is the rows-as-lanes one with its two operands
+// swapped, and each pair's products are exact in fp32, so a (key, row) score gets the same bits either way; a
+// decode's 3 rows then fill 16 lanes instead of 3 of them.
+template <int R>
+inline void score_lanes_dots(const uint16_t* qv, const uint16_t* k, int64_t len, int64_t D, float qscale,
+                             float* st) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m512 in[16], kt[16];
+    for (int i = 0; i < 16; ++i)
+      in[i] = i < len ? _mm512_loadu_ps(reinterpret_cast<const float*>(k + i * D + d0)) : _mm512_setzero_ps();
+    transpose16(in, kt);  // kt[p]: dims d0 + 2p, d0 + 2p + 1 of the 16 keys
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* q = qv + (r / 16) * 16 * D + r % 16 * 2;  // row r's pair p at q + 32 p (pack_operand)
+      for (int p = 0; p < 16; ++p) {
+        uint32_t pair;
+        std::memcpy(&pair, q + 32 * (d0 / 2 + p), sizeof pair);
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_castps_si512(kt[p]),
+                                  (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(st + r * kChunk, _mm512_mul_ps(acc[r], _mm512_set1_ps(qscale)));
+}
+
+template <int... Rs>
+void score_lanes_pick(int64_t R, const uint16_t* qv, const uint16_t* k, int64_t len, int64_t D, float qscale,
+                      float* st, std::integer_sequence<int, Rs...>) {
+  ((R == Rs + 1 ? (score_lanes_dots<Rs + 1>(qv, k, len, D, qscale, st), 0) : 0), ...);
+}
+
 // Rows r0 .. r0 + rows (rows <= 4) over every column: 64 at a time, then 16.
 template <int RB>
 void weigh_rows_dots(const uint16_t* pt, const uint16_t* vv, int64_t n32, int64_t D, int64_t r0, float* o) {
@@ -1146,15 +1185,23 @@ void attend_chunk_dots(const Shape& sh, const uint16_t* qv, float qscale, const 
   float* s = on_lines(scratch.scores, kChunk * rp);
   uint16_t* pt = on_lines(scratch.tiles, rp * kChunk + kChunk * D);
   uint16_t* vv = pt + rp * kChunk;
-  int64_t j0 = 0;
-  for (; j0 + kKeys <= len; j0 += kKeys) {  // these keys' values asked for while they are scored
-    prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, (j0 + kKeys) * bytes);
-    for (int64_t qb = 0; qb < rp / 16; ++qb) score_keys_dots<kKeys>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
-  }
-  for (; j0 < len; ++j0)
-    for (int64_t qb = 0; qb < rp / 16; ++qb) score_keys_dots<1>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
   float* st = on_lines(scratch.weights, R * kChunk);
-  scores_by_keys(s, rp, R, len, qscale, st);
+  if (R <= std::min(sh.key_rows, kDotKeyRows)) {
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, std::min(j0 + 16, len) * bytes);
+      score_lanes_pick(R, qv, kc + j0 * D, len - j0, D, qscale, st + j0,
+                       std::make_integer_sequence<int, kDotKeyRows>{});
+    }
+  } else {
+    int64_t j0 = 0;
+    for (; j0 + kKeys <= len; j0 += kKeys) {  // these keys' values asked for while they are scored
+      prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, (j0 + kKeys) * bytes);
+      for (int64_t qb = 0; qb < rp / 16; ++qb) score_keys_dots<kKeys>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+    }
+    for (; j0 < len; ++j0)
+      for (int64_t qb = 0; qb < rp / 16; ++qb) score_keys_dots<1>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+    scores_by_keys(s, rp, R, len, qscale, st);
+  }
   softmax_tiles(sh, st, c0, len, scratch, m, l);
   weights_bf16(st, R, rp, len, n32, pt);
   pair_values(vc, len, n32, D, vv, reinterpret_cast<const char*>(next_k), next_len * bytes);  // asks for them
