@@ -1106,6 +1106,24 @@ inline void score_keys_dots(const uint16_t* qv, const uint16_t* k, int64_t D, in
   for (int i = 0; i < KB; ++i) _mm512_storeu_ps(s + i * rp + qb * 16, acc[i]);
 }
 
+// score_keys_dots for a last block of at most 8 rows: its first 8 lanes only, at 256 bits (each lane's operation
+// the same; the scores of rows 8 .. 15 of the block, all padding, are left unwritten).
+template <int KB>
+inline void score_keys_dots8(const uint16_t* qv, const uint16_t* k, int64_t D, int64_t rp, int64_t qb, float* s) {
+  __m256 acc[KB];
+  for (int i = 0; i < KB; ++i) acc[i] = _mm256_setzero_ps();
+  const uint16_t* rows = qv + qb * 16 * D;
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const __m256bh q = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 32 * p));
+    for (int i = 0; i < KB; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, k + i * D + 2 * p, sizeof pair);
+      acc[i] = _mm256_dpbf16_ps(acc[i], q, (__m256bh)_mm256_set1_epi32(static_cast<int>(pair)));
+    }
+  }
+  for (int i = 0; i < KB; ++i) _mm256_storeu_ps(s + i * rp + qb * 16, acc[i]);
+}
+
 // o[r][d0 + 16 c + lane] for RB rows from r0 and NC column vectors from d0: the weights' key pairs pt[r][2p, 2p + 1]
 // against the paired values (vv as pair_values lays them out), pairs p < n32 / 2 in order.
 template <int RB, int NC>
@@ -1196,10 +1214,16 @@ void attend_chunk_dots(const Shape& sh, const uint16_t* qv, float qscale, const 
     int64_t j0 = 0;
     for (; j0 + kKeys <= len; j0 += kKeys) {  // these keys' values asked for while they are scored
       prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, (j0 + kKeys) * bytes);
-      for (int64_t qb = 0; qb < rp / 16; ++qb) score_keys_dots<kKeys>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+      for (int64_t qb = 0; qb < rp / 16; ++qb) {
+        if (R - 16 * qb <= 8) score_keys_dots8<kKeys>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+        else score_keys_dots<kKeys>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+      }
     }
     for (; j0 < len; ++j0)
-      for (int64_t qb = 0; qb < rp / 16; ++qb) score_keys_dots<1>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+      for (int64_t qb = 0; qb < rp / 16; ++qb) {
+        if (R - 16 * qb <= 8) score_keys_dots8<1>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+        else score_keys_dots<1>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
+      }
     scores_by_keys(s, rp, R, len, qscale, st);
   }
   softmax_tiles(sh, st, c0, len, scratch, m, l);
