@@ -1088,40 +1088,52 @@ void attend_chunk_tiles(const Shape& sh, const uint16_t* qv, float qscale, const
 // own. Why: widening bf16 to fp32 for a multiply-add does one product per lane and instruction; a verification
 // at long context is compute-bound on a 2-core CPU, and this does two.
 
+// The dot-product operations on the 16 lanes of a 512-bit register (a block of 16 query rows) or the 8 of a
+// 256-bit one (a last block of at most 8 rows: its padding rows 8 .. 15 are left out). Each lane's operation is
+// the same at either width, so a row's bits do not depend on which one its block took.
+struct Dots16 {
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V dot(V acc, const uint16_t* pairs, uint32_t pair) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(pairs),
+                            (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+  }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+};
+struct Dots8 {
+  using V = __m256;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V dot(V acc, const uint16_t* pairs, uint32_t pair) {
+    return _mm256_dpbf16_ps(acc, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs)),
+                            (__m256bh)_mm256_set1_epi32(static_cast<int>(pair)));
+  }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+};
+
 // s[(j0 + i) rp + 16 qb + lane] for the KB keys at k (rows D apart): query rows 16 qb .. 16 qb + 15 (qv as
-// pack_operand lays them out, so dims 2p and 2p + 1 of the block's rows are the 64 bytes at 32 p) against key i.
-template <int KB>
+// pack_operand lays them out, so dims 2p and 2p + 1 of the block's rows are the 64 bytes at 32 p) against key i,
+// on O's lanes.
+template <int KB, class O>
 inline void score_keys_dots(const uint16_t* qv, const uint16_t* k, int64_t D, int64_t rp, int64_t qb, float* s) {
-  __m512 acc[KB];
-  for (int i = 0; i < KB; ++i) acc[i] = _mm512_setzero_ps();
+  typename O::V acc[KB];
+  for (int i = 0; i < KB; ++i) acc[i] = O::zero();
   const uint16_t* rows = qv + qb * 16 * D;
-  for (int64_t p = 0; p < D / 2; ++p) {
-    const __m512bh q = (__m512bh)_mm512_loadu_si512(rows + 32 * p);
+  for (int64_t p = 0; p < D / 2; ++p)
     for (int i = 0; i < KB; ++i) {
       uint32_t pair;
       std::memcpy(&pair, k + i * D + 2 * p, sizeof pair);
-      acc[i] = _mm512_dpbf16_ps(acc[i], q, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+      acc[i] = O::dot(acc[i], rows + 32 * p, pair);
     }
-  }
-  for (int i = 0; i < KB; ++i) _mm512_storeu_ps(s + i * rp + qb * 16, acc[i]);
+  for (int i = 0; i < KB; ++i) O::store(s + i * rp + qb * 16, acc[i]);
 }
 
-// score_keys_dots for a last block of at most 8 rows: its first 8 lanes only, at 256 bits (each lane's operation
-// the same; the scores of rows 8 .. 15 of the block, all padding, are left unwritten).
+// The KB keys at k against every block of query rows, a last block of at most 8 rows on 8 lanes.
 template <int KB>
-inline void score_keys_dots8(const uint16_t* qv, const uint16_t* k, int64_t D, int64_t rp, int64_t qb, float* s) {
-  __m256 acc[KB];
-  for (int i = 0; i < KB; ++i) acc[i] = _mm256_setzero_ps();
-  const uint16_t* rows = qv + qb * 16 * D;
-  for (int64_t p = 0; p < D / 2; ++p) {
-    const __m256bh q = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 32 * p));
-    for (int i = 0; i < KB; ++i) {
-      uint32_t pair;
-      std::memcpy(&pair, k + i * D + 2 * p, sizeof pair);
-      acc[i] = _mm256_dpbf16_ps(acc[i], q, (__m256bh)_mm256_set1_epi32(static_cast<int>(pair)));
-    }
+inline void score_blocks_dots(const uint16_t* qv, const uint16_t* k, int64_t D, int64_t R, int64_t rp, float* s) {
+  for (int64_t qb = 0; qb < rp / 16; ++qb) {
+    if (R - 16 * qb <= 8) score_keys_dots<KB, Dots8>(qv, k, D, rp, qb, s);
+    else score_keys_dots<KB, Dots16>(qv, k, D, rp, qb, s);
   }
-  for (int i = 0; i < KB; ++i) _mm256_storeu_ps(s + i * rp + qb * 16, acc[i]);
 }
 
 // o[r][d0 + 16 c + lane] for RB rows from r0 and NC column vectors from d0: the weights' key pairs pt[r][2p, 2p + 1]
@@ -1147,7 +1159,7 @@ inline void weigh_dots(const uint16_t* pt, const uint16_t* vv, int64_t n32, int6
 }
 
 // Steps of at most this many rows per KV head (and sh.key_rows) score with keys as lanes (score_lanes_dots): at 32K
-// on a 2-core Zen 4 EPYC a decode's attention (3 rows) took 37.1 ms so against 42.1 with rows as lanes, while 6 rows
+// on a 2-core Zen 4 EPYC a decode's attention (3 rows) took 37.1 ms against 43.1 with rows as lanes, while 6 rows
 // took 49.4 against 47.2 (docs/engine.md, "On an AVX512-BF16 machine without AMX").
 constexpr int64_t kDotKeyRows = 4;
 
@@ -1214,16 +1226,10 @@ void attend_chunk_dots(const Shape& sh, const uint16_t* qv, float qscale, const 
     int64_t j0 = 0;
     for (; j0 + kKeys <= len; j0 += kKeys) {  // these keys' values asked for while they are scored
       prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, (j0 + kKeys) * bytes);
-      for (int64_t qb = 0; qb < rp / 16; ++qb) {
-        if (R - 16 * qb <= 8) score_keys_dots8<kKeys>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
-        else score_keys_dots<kKeys>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
-      }
+      score_blocks_dots<kKeys>(qv, kc + j0 * D, D, R, rp, s + j0 * rp);
     }
     for (; j0 < len; ++j0)
-      for (int64_t qb = 0; qb < rp / 16; ++qb) {
-        if (R - 16 * qb <= 8) score_keys_dots8<1>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
-        else score_keys_dots<1>(qv, kc + j0 * D, D, rp, qb, s + j0 * rp);
-      }
+      score_blocks_dots<1>(qv, kc + j0 * D, D, R, rp, s + j0 * rp);
     scores_by_keys(s, rp, R, len, qscale, st);
   }
   softmax_tiles(sh, st, c0, len, scratch, m, l);
