@@ -75,3 +75,9 @@ def built(request):
         yield request.param
     finally:
         kernels.use_isa(None if before == "auto" else before)
+
+
+@pytest.fixture
+def native(built):
+    """Whether ``built``'s build is the -march=native one (not a forced path, nor the portable fallback)."""
+    return built == "auto" and any(flag.startswith("-march=native") for flag in kernels._flags)

@@ -105,8 +105,7 @@ def test_the_path_says_when_bf16_attention_runs_on_tiles(built):
         assert not kernels.on_tiles()  # the forced paths name their instruction sets, AMX not among them
 
 
-def test_bf16_attention_runs_on_dot_products_exactly_where_the_build_has_them_without_amx(built):
-    native = built == "auto" and any(flag.startswith("-march=native") for flag in kernels._flags)
+def test_bf16_attention_runs_on_dot_products_exactly_where_the_build_has_them_without_amx(built, native):
     flags = cpu_flags()
     want = ((native or built == "avx512bf16") and {"avx512_bf16", "avx512bw"} <= flags
             and not (native and {"amx_tile", "amx_bf16"} <= flags))
@@ -323,7 +322,7 @@ def test_linear_layout_past_8_rows_is_chosen_once_forced_by_the_environment_and_
     try:
         assert kernels._choose_pairs() is (not avx2)  # other builds ignore the layout: "unused"
         past = f"linear steps past {kernels.pair_from()} rows"
-        assert 1 <= kernels.pair_from() < kernels.MAX_LINEAR_ROWS
+        assert 1 <= kernels.pair_from() < kernels.MAX_LINEAR_ROWS == kernels._module.linear_rows  # kernels.h's
         assert (f"{past} unpaired (SPARSEDRAFT_PAIR_ROWS=0)" in kernels.path()) == avx2
         assert kernels.use_pairs(True) is (not avx2)
         assert (f"{past} paired (use_pairs)" in kernels.path()) == avx2

@@ -79,8 +79,7 @@ def test_a_batch_of_steps_past_16_rows_takes_the_kernel_in_parts_with_the_same_b
     assert [shape[0] for shape in calls] == [16, 2]
 
 
-def test_the_vnni_path_is_built_exactly_where_the_cpu_and_the_build_have_it(built):
-    native = built == "auto" and any(flag.startswith("-march=native") for flag in kernels._flags)
+def test_the_vnni_path_is_built_exactly_where_the_cpu_and_the_build_have_it(built, native):
     want = (native or built == "avx512bf16") and {"avx512_vnni", "avx512bw"} <= cpu_flags()
     assert bool(kernels._module.vnni) == want
     assert ("w8a8 linear on VNNI" in kernels.path()) == want

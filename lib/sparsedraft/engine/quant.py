@@ -84,7 +84,8 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     padded = F.pad(codes, (0, -k % PACK_INPUTS, 0, -n % PACK_ROWS))
     rows, inputs = padded.shape
-    return padded.view(rows // PACK_ROWS, PACK_ROWS, inputs // PACK_INPUTS, PACK_INPUTS).permute(0, 2, 1, 3).contiguous()
+    blocks = padded.view(rows // PACK_ROWS, PACK_ROWS, inputs // PACK_INPUTS, PACK_INPUTS)
+    return blocks.permute(0, 2, 1, 3).contiguous()
 
 
 def unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -106,7 +107,8 @@ class RoundedInt8Linear(nn.Module):
     """y = (q(x) @ W_int8^T) * (sx * scale) (+ bias): :class:`Int8Linear`'s codes and scales, packed for the
     kernel (:func:`pack_codes`), times each row of x rounded to int8 alone (:func:`round_rows`), summed exactly.
     For draft levels only (``draft_weights="w8a8"``): rounding x changes what the level drafts. On CPU a step
-    runs the kernel on the packed codes (``kernels.linear``, from model.project); this torch path gives the same bits for any rows."""
+    runs the kernel on the packed codes (``kernels.linear``, from model.project); this torch path gives the same
+    bits for any rows."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -50,6 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_path") = vector_path();
   m.attr("vnni") = rounded_rows_vnni();
   m.attr("pair_from") = linear_pair_from();
+  m.attr("linear_rows") = kLinearRows;  // kernels.MAX_LINEAR_ROWS must equal it (tests/test_kernels.py)
   m.def("allow_pairs", [](bool on) { rows_paired.store(on); },
         "AVX2+FMA: run few-row linear steps past pair_from rows two rows at a time (true) or all rows at once");
   m.def("linear", &few_rows_linear, "x W^T (+ b) for 1..16 rows, each weight read once (few_rows_linear.cpp)");
