@@ -3,7 +3,9 @@
 The default cases drive the table models of ``table_models`` (real drivers,
 drafters and verification; the exact target law is read from the same
 table). Real tiny transformers with the real streaming and retrieval caches
-are checked the same way in the slow tests at the end.
+are checked the same way in the slow tests at the end, and a bf16 pair whose
+verification runs the kernels' bf16 attention (AMX tiles or AVX512-BF16 dot
+products where this machine has them, and the vector code).
 
 A chi-square goodness-of-fit test (cells with expected count < 5 pooled)
 must give p > 0.01 for the first token and for the first two tokens, at
@@ -175,3 +177,76 @@ def test_sampling_matches_target_law_with_a_restricted_draft_head():
         two[tokens] += 1
     first, pair = chi_square_pvalue(one, law_one, REAL_SAMPLES), chi_square_pvalue(two, law_two, REAL_SAMPLES)
     assert first > 0.01 and pair > 0.01, (first, pair)
+
+
+# ---- the same check in bf16, through the kernels' bf16 attention (slow) ------------------------
+
+def bf16_models():
+    """``real_models`` in bf16 with head_dim 32, the shape the bf16 attention kernels take (their AMX-tile or
+    AVX512-BF16 dot-product path where the CPU and build have one, else the widening vector code)."""
+    from sparsedraft.engine.tiny import tiny_model
+    shape = dict(vocab_size=VOCAB, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    target, draft = tiny_model("qwen2", 0, **shape), tiny_model("qwen2", 0, **shape)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)
+        gen = torch.Generator().manual_seed(1)
+        for p_target, p_draft in zip(target.parameters(), draft.parameters()):
+            p_draft.copy_(p_target + 0.3 * p_target.std() * torch.randn(p_target.shape, generator=gen))
+    return target.to(torch.bfloat16), draft.to(torch.bfloat16)
+
+
+def exact_step_law(target, shared, sampling: SamplingConfig) -> tuple[dict, dict]:
+    """The target's law of the first two tokens as plain decoding computes it: the prefill's last logits,
+    then one one-token step per first token over a copy of the prefilled cache (a verification's rows are
+    held to those steps' bits by test_exact_rows.py)."""
+    first, one, two = probabilities(shared.logits[0].float(), sampling), {}, {}
+    for a in range(VOCAB):
+        one[(a,)] = float(first[a])
+        cache = target.new_cache(PROMPT.shape[1] + 1)
+        shared.seed(cache)
+        with torch.inference_mode():
+            second = probabilities(target(torch.tensor([[a]]), cache=cache)[0, -1].float(), sampling)
+        for b in range(VOCAB):
+            two[(a, b)] = float(first[a] * second[b])
+    return one, two
+
+
+def bf16_paths() -> list[bool]:
+    """Tiles / dot products on, and off, where this machine's build has them; else the one vector path."""
+    from sparsedraft.engine import kernels
+    return [True, False] if kernels.on_tiles() or kernels.on_dots() else [False]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["standard", "always-accept"])
+@pytest.mark.parametrize("tiles", bf16_paths())
+def test_sampling_matches_target_law_in_bf16(tiles, rule):
+    """Two-level speculation with a bf16 target and draft, verification through the bf16 kernels: the
+    target's law at T = 0.6, top-p 0.9, and an always-accept rule on the same path caught."""
+    from sparsedraft.engine import kernels
+    from sparsedraft.engine.prefill_store import prefill_prompt
+    target, draft = bf16_models()
+    assert kernels.step_fits(torch.zeros(1, 1, 64, dtype=torch.bfloat16)), "the bf16 kernels must run here"
+    before = kernels.use_tiles(tiles)
+    try:
+        sampling = CONFIGS["t0.6-p0.9"]
+        shared = prefill_prompt(target, PROMPT)
+        law_one, law_two = exact_step_law(target, shared, sampling)
+        acceptance = always_accept if rule == "always-accept" else standard_acceptance
+        one, two = Counter(), Counter()
+        for seed in range(REAL_SAMPLES):
+            cfg = SamplingConfig(sampling.temperature, sampling.top_p, seed=seed)
+            drafter = ModelDrafter(draft, draft.new_cache(PROMPT.shape[1] + NEW_TOKENS + GAMMA))
+            out = speculative(target, drafter, PROMPT, NEW_TOKENS, GAMMA, cfg, prefilled=shared,
+                              acceptance=acceptance)
+            tokens = tuple(out.tokens[0, :2].tolist())
+            one[tokens[:1]] += 1
+            two[tokens] += 1
+    finally:
+        kernels.use_tiles(before)
+    first, pair = chi_square_pvalue(one, law_one, REAL_SAMPLES), chi_square_pvalue(two, law_two, REAL_SAMPLES)
+    if rule == "standard":
+        assert first > 0.01 and pair > 0.01, (first, pair)
+    else:
+        assert min(first, pair) < 1e-4, (first, pair)
