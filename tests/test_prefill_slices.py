@@ -3,9 +3,8 @@
 Each slice is one kernel call, and the kernel gives a row the same bits whatever
 the call's length, so every prompt token's attention must equal, bit for bit, a
 one-token call over the keys it sees; it must also match attention with the
-causal mask written out. The route is taken exactly where bf16 attention has
-the hardware (AMX tiles or AVX512-BF16 dot products) and :func:`prefill_slices`
-allows it.
+causal mask written out. The route is taken exactly where bf16 attention runs
+on AVX512-BF16 dot products and :func:`prefill_slices` allows it.
 """
 
 from __future__ import annotations
@@ -46,9 +45,9 @@ def test_each_row_is_its_one_token_call_and_the_masked_attention(built, t, s):
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_the_route_is_taken_exactly_where_bf16_attention_has_the_hardware(built):
+def test_the_route_is_taken_exactly_where_bf16_attention_runs_on_dot_products(built):
     q, k, v = qkv(64, 64)
-    hardware = kernels.on_tiles() or kernels.on_dots()
+    hardware = kernels.on_dots()
     assert _slices_fit(q, k, v) == hardware
     assert not _slices_fit(*qkv(64, 64, torch.float32))  # fp32: torch's flash kernel is as fast
     before = prefill_slices(False)
@@ -73,6 +72,6 @@ def test_a_bf16_prefill_runs_its_chunks_through_the_slices_where_it_can(built, m
             logits[on] = prefill(model, model.new_cache(150), tokens, chunk=64).float()
         finally:
             prefill_slices(before)
-    hardware = kernels.on_tiles() or kernels.on_dots()
+    hardware = kernels.on_dots()
     assert calls == ([64] * 4 + [21] * 2 if hardware else []), calls  # 149 tokens: chunks 64, 64, 21 in 2 layers
     torch.testing.assert_close(logits[True], logits[False], rtol=0.05, atol=0.05)

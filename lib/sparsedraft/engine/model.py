@@ -92,7 +92,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     and gives each query the same bits whatever the step's length (what keeps
     speculative greedy output equal to plain greedy output in bf16); a bf16
     causal prefill chunk through the same kernel in slices where bf16 attention
-    runs on AMX tiles or AVX512-BF16 dot products (:func:`attend_slices`); SDPA
+    runs on AVX512-BF16 dot products (:func:`attend_slices`); SDPA
     otherwise (causal prefill chunks without a mask tensor, see :func:`_sdpa`). Keys and values given as
     :class:`~sparsedraft.engine.cache.Int8Slots` (a quantised draft view) take the kernel's int8 form on
     such a step, and are made dense for every other path.
@@ -192,13 +192,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=kv != h)
 
 
-_SLICES = True  # bf16 prefill chunks through the kernel where it has bf16 hardware; prefill_slices() switches it
+_SLICES = True  # bf16 prefill chunks through the kernel on AVX512-BF16 dot products; prefill_slices() switches it
 
 
 def prefill_slices(on: bool) -> bool:
     """Let a bf16 causal prefill chunk run through the attention kernel in slices where bf16 attention runs
-    on AMX tiles or AVX512-BF16 dot products (the default), or keep torch's CPU flash kernel, so a bench
-    can time both in one process. Returns the previous choice."""
+    on AVX512-BF16 dot products (the default), or keep torch's CPU flash kernel, so a bench can time both in
+    one process. Returns the previous choice."""
     global _SLICES
     before, _SLICES = _SLICES, bool(on)
     return before
@@ -206,20 +206,22 @@ def prefill_slices(on: bool) -> bool:
 
 def _slices_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """A causal chunk :func:`attend_slices` takes: bf16, head_dim a multiple of 32, keys in rows of head_dim
-    values, and a build whose bf16 attention has the hardware (tiles or dot products). Elsewhere torch's
-    flash kernel is as fast or faster: in fp32 it runs a 1,024-query chunk at ~160 GFLOP/s on a Zen 4 EPYC
-    against the kernel's ~145 (scratch, in the message of the commit that added this)."""
+    values, and a build whose bf16 attention runs on AVX512-BF16 dot products, where it was measured ahead.
+    Elsewhere torch's flash kernel stays: in fp32 it runs a 1,024-query chunk at ~160 GFLOP/s on a Zen 4
+    EPYC against the kernel's ~145 (scratch, in the message of the commit that added the slices), and on
+    an AMX machine it ran a bf16 prefill's attention at ~520 GFLOP/s (``prefill-profile-8k-bf16.json``)
+    where the tile path's 32-query calls have not been timed."""
     return (_SLICES and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and _step_fits(q)
             and all(x.stride(3) == 1 and x.stride(2) == x.shape[3] for x in (k, v))
-            and (kernels.on_tiles() or kernels.on_dots()))
+            and kernels.on_dots())
 
 
 def attend_slices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """:data:`CAUSAL` attention of T queries [B, H, T, D] over k, v [B, KV, S, D] (the T new keys last) as
     kernel calls of ``kernels.MAX_TOKENS`` queries, each over the keys its last query sees. The kernel gives
     a row the same bits whatever the call's length, so each prompt token's attention is what a one-token
-    step over the same keys computes. Where bf16 attention has the hardware, this runs a 1,024-query chunk at
-    8K about 1.9x faster than torch's flash kernel, which is most of a bf16 prefill (docs/prefill.md)."""
+    step over the same keys computes. On AVX512-BF16 dot products this runs a 1,024-query chunk at 8K about
+    1.9x faster than torch's flash kernel, which is most of a bf16 prefill (docs/prefill.md)."""
     b, h, t, d = q.shape
     kv, s = k.shape[1], k.shape[2]
     g = h // kv
