@@ -75,3 +75,24 @@ def test_a_bf16_prefill_runs_its_chunks_through_the_slices_where_it_can(built, m
     hardware = kernels.on_dots()
     assert calls == ([64] * 4 + [21] * 2 if hardware else []), calls  # 149 tokens: chunks 64, 64, 21 in 2 layers
     torch.testing.assert_close(logits[True], logits[False], rtol=0.05, atol=0.05)
+
+
+def test_a_prefill_names_its_sliced_attention_so_a_flash_one_is_not_taken_for_it(built):
+    from sparsedraft.engine.prefilled import compute_prefill, model_identity
+    from sparsedraft.errors import SparsedraftError
+    shape = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32)
+    model = tiny_model("llama", 0, torch.bfloat16, **shape)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    assert ("prefill_attention" in model_identity(model)) == kernels.on_dots()
+    assert "prefill_attention" not in model_identity(tiny_model("llama", 0, **shape))  # fp32 keeps flash
+    before = prefill_slices(False)
+    try:
+        flash = compute_prefill(model, tokens)
+    finally:
+        prefill_slices(before)
+    if kernels.on_dots():
+        with pytest.raises(SparsedraftError, match="prefill_attention"):
+            flash.check(model, tokens)
+    else:
+        flash.check(model, tokens)

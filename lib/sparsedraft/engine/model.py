@@ -204,6 +204,13 @@ def prefill_slices(on: bool) -> bool:
     return before
 
 
+def sliced_prefill(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether a prefill in ``dtype`` on ``device`` runs its chunks' attention through :func:`attend_slices`
+    (:func:`_slices_fit` for its tensors). Its bits differ from flash's, so a prefill's identity names it."""
+    return (_SLICES and dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
+            and kernels.on_dots())
+
+
 def _slices_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """A causal chunk :func:`attend_slices` takes: bf16, head_dim a multiple of 32, keys in rows of head_dim
     values, and a build whose bf16 attention runs on AVX512-BF16 dot products, where it was measured ahead.
@@ -211,9 +218,8 @@ def _slices_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     EPYC against the kernel's ~145 (scratch, in the message of the commit that added the slices), and on
     an AMX machine it ran a bf16 prefill's attention at ~520 GFLOP/s (``prefill-profile-8k-bf16.json``)
     where the tile path's 32-query calls have not been timed."""
-    return (_SLICES and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 and _step_fits(q)
-            and all(x.stride(3) == 1 and x.stride(2) == x.shape[3] for x in (k, v))
-            and kernels.on_dots())
+    return (sliced_prefill(q.dtype, q.device, q.shape[-1]) and _step_fits(q)
+            and all(x.stride(3) == 1 and x.stride(2) == x.shape[3] for x in (k, v)))
 
 
 def attend_slices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import require
 from .cache import StaticCache
-from .model import Capture, Transformer
+from .model import Capture, Transformer, sliced_prefill
 from .prefill import PREFILL_CHUNK, prefill
 from .runtime import synchronize
 
@@ -62,11 +62,14 @@ def weights_digest(model: Transformer) -> str:
 
 def model_identity(model: Transformer) -> dict[str, Any]:
     """What makes two models give the same prefill: source, config (RoPE theta, scaling and maximum
-    context included), dtype, device type and weights. JSON-ready."""
+    context included), dtype, device type and weights, and the prefill's attention where it is not torch's
+    (a bf16 prefill through the kernel's slices, :func:`~sparsedraft.engine.model.sliced_prefill`, whose bits
+    differ from flash's). JSON-ready."""
     config = {k: dict(v) if k == "rope_scaling" else v for k, v in dataclasses.asdict(model.cfg).items()}
+    sliced = sliced_prefill(model.dtype, model.device, model.cfg.head_dim)
     return {"source": getattr(model, "source", None), "config": config,
             "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type,
-            "weights": weights_digest(model)}
+            "weights": weights_digest(model), **({"prefill_attention": "kernel slices"} if sliced else {})}
 
 
 def first_difference(mine: Any, theirs: Any, path: str = "") -> str | None:
