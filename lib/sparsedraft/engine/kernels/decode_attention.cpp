@@ -183,21 +183,6 @@ struct Lanes16 {
 };
 #endif
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, like torch
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return 0x7FC0;
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 struct Shape {
   int64_t B, KV, R, T, S, D;
   int64_t key_rows;  // steps of at most this many rows per KV head take the keys-as-lanes path

@@ -54,21 +54,6 @@ inline float madd(float a, float b, float c) {
 #endif
 }
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept quiet, like torch
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) { return bf16_to_float(*p); }
 inline float load(const int8_t* p) { return static_cast<float>(*p); }  // int8 codes; the row's scale comes after

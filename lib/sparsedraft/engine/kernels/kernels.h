@@ -6,7 +6,26 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+// bf16 <-> float32 one value at a time, for every file: widening is exact; narrowing rounds to nearest even, as
+// torch does for finite values (a NaN stays a quiet NaN; torch's own scalar and vector conversions disagree on
+// which one).
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T,
                   int64_t key_rows);
