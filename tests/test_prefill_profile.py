@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from sparsedraft.bench import prefill_profile
 from sparsedraft.bench.record import check_record
@@ -29,3 +30,19 @@ def test_prefill_profile_refuses_a_bad_context_before_loading_anything(monkeypat
     monkeypatch.setattr(prefill_profile, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(SparsedraftError, match="--context >= 2"):
         prefill_profile.main(["--context", "1"])
+
+
+def test_a_sliced_bf16_prefill_is_profiled_beside_torch_flash(monkeypatch, capsys):
+    """Where ours would slice, it is profiled a second time with torch's flash kernel, in the same process."""
+    from sparsedraft.engine import model as engine_model
+    sliced = []
+    monkeypatch.setattr(prefill_profile, "sliced_prefill", lambda *a: True)
+    def prefill_prompt(*args, **kwargs):  # notes the switch each prefill ran under, and runs an op to profile
+        sliced.append(engine_model._SLICES)
+        return torch.ones(4).add(1)
+
+    monkeypatch.setattr(prefill_profile, "prefill_prompt", prefill_prompt)
+    prefill_profile.main(["--model", "tiny-llama", "--context", "200", "--top", "2", "--no-hf"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(dict.fromkeys(r["engine"] for r in result["rows"])) == ["sparsedraft", "sparsedraft, torch flash"]
+    assert sliced == [True, True, True, False, False] and engine_model._SLICES  # warm-up, ours x2, flash x2

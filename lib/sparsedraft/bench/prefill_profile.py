@@ -6,7 +6,11 @@ profiler (after an untimed warm-up on the first chunk) and records every
 operator's self time, its share of the profiled total and its call count,
 largest first. On a 2-core CPU an 8K prefill is mostly attention and
 matmuls, so the table shows which of those a faster prefill would have to
-beat (docs/engine.md, "On an AMX machine").
+beat (docs/engine.md, "On an AMX machine"). Where a bf16 prefill runs its
+attention through the kernel's slices (``model.sliced_prefill``), ours is
+profiled a second time with torch's flash kernel instead (``sparsedraft,
+torch flash``), so the two stand side by side from one process; the kernel's
+calls show as ``sparsedraft::attend_slices``.
 
 Not a test: ``python -m sparsedraft.bench.prefill_profile --context 8000 --dtype bf16
 --record docs/results/prefill-profile-8k-bf16.json``.
@@ -24,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from ..engine import machine
 from ..engine.data import bench_prompt
 from ..engine.machine import provenance
+from ..engine.model import prefill_slices, sliced_prefill
 from ..engine.prefill import PREFILL_CHUNK
 from ..engine.prefill_store import prefill_prompt
 from ..engine.roofline import measure_read_bandwidth
@@ -50,11 +55,22 @@ def profile_ops(run: Callable[[], Any], top: int) -> dict[str, Any]:
     return {"seconds": seconds, "profiled_s": total / 1e6, "ops": ops}
 
 
+def flash_prefill(model, prompt: torch.Tensor) -> Any:
+    """Our prefill of ``prompt`` with torch's flash kernel where it would slice (``model.prefill_slices``)."""
+    before = prefill_slices(False)
+    try:
+        return prefill_prompt(model, prompt)
+    finally:
+        prefill_slices(before)
+
+
 def measure(model_name: str, context: int, dtype: str, top: int = 8, hf: bool = True) -> dict[str, Any]:
     """The profile of each engine's prefill of a ``context``-token essay prompt in ``dtype``."""
     model = load_model(model_name, dtype=DTYPES[dtype]).eval()
     prompt = bench_prompt(model_name, context)
     engines: dict[str, Callable[[], Any]] = {"sparsedraft": lambda: prefill_prompt(model, prompt)}
+    if sliced_prefill(model.dtype, model.device, model.cfg.head_dim):
+        engines["sparsedraft, torch flash"] = lambda: flash_prefill(model, prompt)
     if hf:
         oracle = load_hf_oracle(model_name, model, DTYPES[dtype], torch.device("cpu"))
         engines["transformers"] = lambda: hf_prefill(oracle, prompt)
