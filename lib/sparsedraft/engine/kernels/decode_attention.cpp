@@ -1148,10 +1148,11 @@ inline void weigh_dots(const uint16_t* pt, const uint16_t* vv, int64_t n32, int6
 // took 49.4 against 47.2 (docs/engine.md, "On an AVX512-BF16 machine without AMX").
 constexpr int64_t kDotKeyRows = 4;
 
-// How far ahead of the 16 keys a decode scores (keys as lanes) it asks for more: past a chunk's end, the next
-// chunk's keys, which follow in memory (a prefetch never faults). Without it perf put half of the scoring's
-// samples on its key loads, and a 32K decode's attention took 11-15% longer on a 2-core Zen 4 EPYC (both builds
-// in one process; 2048 and 8192 bytes ahead gained less; docs/engine.md).
+// How far ahead of the keys it scores the dot-product path asks for more, keys or rows as lanes: past a chunk's
+// end, the next chunk's keys, which follow in memory (a prefetch never faults). Without it perf put half of the
+// decode scoring's samples on its key loads, and on a 2-core Zen 4 EPYC a 32K decode's attention took 11-15%
+// longer, a 2-8 token step's 4-12% (both builds in one process; 2048 and 8192 bytes ahead gained less;
+// docs/engine.md).
 constexpr int64_t kDotKeysAhead = 4096;
 
 // st[r][j0 + lane] = qscale * the scores of the 16 keys at k (rows D apart; those from `len` on zero) against rows
@@ -1217,8 +1218,10 @@ void attend_chunk_dots(const Shape& sh, const uint16_t* qv, float qscale, const 
     }
   } else {
     int64_t j0 = 0;
+    const char* keys = reinterpret_cast<const char*>(kc);
     for (; j0 + kKeys <= len; j0 += kKeys) {  // these keys' values asked for while they are scored
       prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, (j0 + kKeys) * bytes);
+      prefetch_span(keys, j0 * bytes + kDotKeysAhead, (j0 + kKeys) * bytes + kDotKeysAhead);
       score_blocks_dots<kKeys>(qv, kc + j0 * D, D, R, rp, s + j0 * rp);
     }
     for (; j0 < len; ++j0)
