@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from sparsedraft.engine import kernels
 from sparsedraft.engine import model as engine_model
 from sparsedraft.engine.cache import causal_tail
-from sparsedraft.engine.model import _slices_fit, attend_slices, prefill_slices
+from sparsedraft.engine.model import _slices_fit, attend_slices, prefill_slices, sliced_prefill
 from sparsedraft.engine.prefill import prefill
 from sparsedraft.engine.tiny import tiny_model
 
@@ -57,6 +57,9 @@ def test_the_route_is_taken_exactly_where_bf16_attention_runs_on_dot_products(bu
         prefill_slices(before)
     strided = torch.randn(1, 2, 64, 128).bfloat16()[..., :64]  # rows of head_dim values 128 apart
     assert not _slices_fit(q, strided, strided)
+    cpu = torch.device("cpu")
+    assert kernels.on_dots(64) == kernels.on_dots() and sliced_prefill(torch.bfloat16, cpu, 64) == hardware
+    assert not kernels.on_dots(48) and not sliced_prefill(torch.bfloat16, cpu, 48)  # the kernel's rule: 32 | D
 
 
 def test_a_bf16_prefill_runs_its_chunks_through_the_slices_where_it_can(built, monkeypatch):

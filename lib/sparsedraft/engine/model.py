@@ -207,13 +207,12 @@ def prefill_slices(on: bool) -> bool:
 def sliced_prefill(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     """Whether a prefill in ``dtype`` on ``device`` runs its chunks' attention through :func:`attend_slices`
     (:func:`_slices_fit` for its tensors). Its bits differ from flash's, so a prefill's identity names it."""
-    return (_SLICES and dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
-            and kernels.on_dots())
+    return _SLICES and dtype == torch.bfloat16 and device.type == "cpu" and kernels.on_dots(head_dim)
 
 
 def _slices_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """A causal chunk :func:`attend_slices` takes: bf16, head_dim a multiple of 32, keys in rows of head_dim
-    values, and a build whose bf16 attention runs on AVX512-BF16 dot products, where it was measured ahead.
+    """A causal chunk :func:`attend_slices` takes: bf16, keys in rows of head_dim values, and a build whose
+    bf16 attention of this head size runs on AVX512-BF16 dot products, where it was measured ahead.
     Elsewhere torch's flash kernel stays: in fp32 it runs a 1,024-query chunk at ~160 GFLOP/s on a Zen 4
     EPYC against the kernel's ~145 (scratch, in the message of the commit that added the slices), and on
     an AMX machine it ran a bf16 prefill's attention at ~520 GFLOP/s (``prefill-profile-8k-bf16.json``)

@@ -342,10 +342,15 @@ def on_tiles() -> bool:
     return available() and _module.tiles() == 1
 
 
-def on_dots() -> bool:
+def on_dots(head_dim: int | None = None) -> bool:
     """Whether bf16 attention (head_dim a multiple of 32) runs the tile path's steps on AVX512-BF16 dot products
-    here (a build with them and without AMX; :func:`use_tiles` switches it too); builds like :func:`available`."""
-    return available() and getattr(_module, "dots", lambda: 0)() == 1  # an older revision's build lacks it
+    here (a build with them and without AMX; :func:`use_tiles` switches it too); with ``head_dim``, whether
+    attention of that head size takes them, by the kernel's own rule. Builds like :func:`available`."""
+    if not available():
+        return False
+    if head_dim is None:
+        return getattr(_module, "dots", lambda: 0)() == 1  # an older revision's build lacks it
+    return getattr(_module, "dots_for", lambda d: 0)(int(head_dim)) == 1
 
 
 def path() -> str:

@@ -46,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allow_tiles", [](bool allow) { tiles_allowed.store(allow); },
         "let bf16 attention and linear use AMX tiles where built (default) or not");
   m.def("dots", &attend_dots, "1: bf16 attention on AVX512-BF16 dot products (no AMX); 0: not built or off");
+  m.def("dots_for", &attend_dots_for, "dots(), and head_dim D a size the dot-product path takes");
   m.def("tiles", &tiles, "1: bf16 attention and few-row linear on AMX tiles; 0: not built or off; -1: refused");
   m.attr("vector_path") = vector_path();
   m.attr("vnni") = rounded_rows_vnni();

@@ -1208,20 +1208,20 @@ void attend_chunk_dots(const Shape& sh, const uint16_t* qv, float qscale, const 
   uint16_t* pt = on_lines(scratch.tiles, rp * kChunk + kChunk * D);
   uint16_t* vv = pt + rp * kChunk;
   float* st = on_lines(scratch.weights, R * kChunk);
+  const auto ask_for = [&](int64_t j0, int64_t j1) {  // keys j0 .. j1's values, and keys kDotKeysAhead on
+    prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, j1 * bytes);
+    prefetch_span(reinterpret_cast<const char*>(kc), j0 * bytes + kDotKeysAhead, j1 * bytes + kDotKeysAhead);
+  };
   if (R <= std::min(sh.key_rows, kDotKeyRows)) {
-    const char* keys = reinterpret_cast<const char*>(kc);
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, std::min(j0 + 16, len) * bytes);
-      prefetch_span(keys, j0 * bytes + kDotKeysAhead, (j0 + 16) * bytes + kDotKeysAhead);
+      ask_for(j0, std::min(j0 + 16, len));
       score_lanes_pick(R, qv, kc + j0 * D, len - j0, D, qscale, st + j0,
                        std::make_integer_sequence<int, kDotKeyRows>{});
     }
   } else {
     int64_t j0 = 0;
-    const char* keys = reinterpret_cast<const char*>(kc);
     for (; j0 + kKeys <= len; j0 += kKeys) {  // these keys' values asked for while they are scored
-      prefetch_span(reinterpret_cast<const char*>(vc), j0 * bytes, (j0 + kKeys) * bytes);
-      prefetch_span(keys, j0 * bytes + kDotKeysAhead, (j0 + kKeys) * bytes + kDotKeysAhead);
+      ask_for(j0, j0 + kKeys);
       score_blocks_dots<kKeys>(qv, kc + j0 * D, D, R, rp, s + j0 * rp);
     }
     for (; j0 < len; ++j0)
@@ -1545,6 +1545,8 @@ int64_t attend_chunk() { return kChunk; }
 int64_t attend_lanes() { return kLanes; }
 
 int64_t attend_dots() { return SPARSEDRAFT_DOTS && tiles_allowed.load() ? 1 : 0; }
+
+int64_t attend_dots_for(int64_t D) { return SPARSEDRAFT_DOTS && takes_tiles(D) ? 1 : 0; }
 
 at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& vc,
                        const at::Tensor& vs, const at::Tensor& kt, const at::Tensor& vt, double scale, int64_t T,

@@ -479,8 +479,7 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
   }
   if (x.scalar_type() == at::kFloat) return yf;
   auto out = at::empty(out_sizes, x.options());
-  auto op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < m_len * n_len; ++i) op[i] = float_to_bf16(yp[i]);
+  store_bf16(yp, m_len * n_len, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 

@@ -27,6 +27,11 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// n float32 values rounded into bf16 (a linear kernel's output, summed in float32).
+inline void store_bf16(const float* y, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(y[i]);
+}
+
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale, int64_t T,
                   int64_t key_rows);
 at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& vc,
@@ -35,6 +40,7 @@ at::Tensor attend_int8(const at::Tensor& q, const at::Tensor& kc, const at::Tens
 int64_t attend_chunk();
 int64_t attend_lanes();
 int64_t attend_dots();  // 1: bf16 attention runs on AVX512-BF16 dot products (built without AMX, allowed)
+int64_t attend_dots_for(int64_t D);  // 1: and bf16 attention with head_dim D takes them (the kernel's own rule)
 at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 at::Tensor few_rows_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                 const at::Tensor& bias);

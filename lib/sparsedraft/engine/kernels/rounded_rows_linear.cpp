@@ -267,9 +267,6 @@ at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, co
     for (int64_t m = 0; m < m_len; ++m)
       for (int64_t n = 0; n < n_len; ++n) yp[m * n_len + n] += bp[n];
   }
-  if (bf16) {  // rounded once, to nearest even
-    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < m_len * n_len; ++i) op[i] = float_to_bf16(yp[i]);
-  }
+  if (bf16) store_bf16(yp, m_len * n_len, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));  // rounded once
   return out;
 }
