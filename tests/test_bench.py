@@ -235,12 +235,13 @@ def test_linear_kernel_timing_refuses_bad_step_sizes_before_building_the_kernel(
 
 
 
-def test_step_ops_bench_times_both_forms_and_only_the_on_runs_reach_the_kernels(monkeypatch):
-    """bench.step_ops: a row per op and form; a row per step length with all three timings, where every 'on'
-    forward (2 warm-up + 2 timed per length) runs each norm in the fused layer calls, every 'layers' forward
-    runs each in the RMSNorm kernel, and no 'off' one reaches the kernels."""
+def test_step_ops_bench_times_every_form_and_only_the_on_runs_reach_the_kernels(monkeypatch):
+    """bench.step_ops: a row per op and form; a row per step length with all four timings, where every 'stack'
+    forward (2 warm-up + 2 timed per length) runs its layers in one call, every 'on' forward runs each norm in
+    the fused layer calls, every 'layers' forward runs each in the RMSNorm kernel, and no 'off' one reaches
+    the kernels."""
     from sparsedraft.bench import step_ops
-    from sparsedraft.engine import kernels
+    from sparsedraft.engine import kernels, stack
     if not kernels.available():
         pytest.skip("the C++ kernels do not build here")
     ops = step_ops.time_ops(repeats=1, calls=3)
@@ -250,13 +251,18 @@ def test_step_ops_bench_times_both_forms_and_only_the_on_runs_reach_the_kernels(
     calls = []
     for name in ("rms_norm", "layer_head", "layer_tail"):
         monkeypatch.setattr(kernels, name, lambda *a, real=getattr(kernels, name), n=name: calls.append(n) or real(*a))
+    real_run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *a: (lambda out: out is not None and calls.append("stack") or out)(
+        real_run(*a)))
     steps = step_ops.time_steps("tiny-llama", context=40, tokens=(1, 3), repeats=2)
     assert [(r["tokens"], r["context"]) for r in steps] == [(1, 40), (3, 40)]
-    assert all(r["kernels_ms"] > 0 and r["python_layers_ms"] > 0 and r["torch_ops_ms"] > 0 for r in steps)
+    assert all(r["stack_ms"] > 0 and r["kernels_ms"] > 0 and r["python_layers_ms"] > 0 and r["torch_ops_ms"] > 0
+               for r in steps)
     layers = sparsedraft.engine.weights.load_model("tiny-llama").cfg.num_layers
     forwards = 2 * (2 + 2)  # per form: 2 lengths, 2 warm-up + 2 timed
+    assert calls.count("stack") == forwards  # the 'stack' forwards
     assert calls.count("layer_head") == calls.count("layer_tail") == forwards * layers  # the 'on' forwards
-    assert calls.count("rms_norm") == forwards * (1 + 2 * layers + 1)  # 'on': the final norm; 'layers': all
+    assert calls.count("rms_norm") == forwards * (2 + 2 * layers + 1)  # 'stack', 'on': the final norm; 'layers': all
 
 
 def test_step_ops_bench_refuses_bad_flags_before_loading_a_model(monkeypatch):

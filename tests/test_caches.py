@@ -394,8 +394,12 @@ def test_sparse_view_attends_to_the_selected_chunks_and_recent_tokens(family, dt
 @torch.no_grad()
 def test_a_filled_view_hands_the_causal_marker_and_a_filling_one_a_mask(monkeypatch):
     """A view whose budget is full has the full-cache layout (every slot, then causal speculative tokens): it must
-    say CAUSAL so its steps take the decode kernel like the full cache; while slots are empty it needs its mask."""
+    say CAUSAL so its steps take the decode kernel like the full cache; while slots are empty it needs its mask.
+    Layer by layer, where the attention calls are seen (a filled view's steps otherwise run the whole stack in one
+    call: tests/test_layer_stack.py)."""
     import sparsedraft.engine.model as model_module
+    from sparsedraft.engine import stack
+    monkeypatch.setattr(stack, "_ON", False)
     seen = []
     real = model_module.attention
     monkeypatch.setattr(model_module, "attention", lambda q, k, v, mask, *a, **kw: seen.append(mask) or

@@ -3,7 +3,8 @@
 model.Block takes the fused calls for a decode or verification step whose seven linear layers the few-row
 kernel reads (fp32/bf16 of the step's dtype, or int8 codes) and falls back to the Python path otherwise
 (q/k norms, more than 16 rows, prefill chunks, autograd). Each test runs the same forwards with the fused
-calls turned off and compares logits bit for bit.
+calls turned off and compares logits bit for bit. The whole stack in one call (engine/stack.py), which makes
+these calls from C++, is off here so the calls are seen; tests/test_layer_stack.py holds it to this path.
 """
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from sparsedraft.caches.streaming import StreamingCache
-from sparsedraft.engine import kernels, model as engine
+from sparsedraft.engine import kernels, model as engine, stack
 from sparsedraft.engine.quant import draft_copy
 from sparsedraft.engine.tiny import tiny_model
 
@@ -20,6 +21,13 @@ from sparsedraft.engine.tiny import tiny_model
 def built():
     if not kernels.available():
         pytest.skip("the C++ kernels do not build here")
+
+
+@pytest.fixture(autouse=True)
+def layer_by_layer():
+    before = stack.stack_steps(False)
+    yield
+    stack.stack_steps(before)
 
 
 def _count(monkeypatch) -> list[str]:

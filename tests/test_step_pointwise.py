@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparsedraft import load_model
-from sparsedraft.engine import kernels
+from sparsedraft.engine import kernels, stack
 from sparsedraft.engine import model as engine
 from sparsedraft.engine.config import ModelConfig
 from sparsedraft.engine.rope import Rotary
@@ -67,6 +67,7 @@ def _calls(monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_steps_take_the_kernels_and_agree_with_the_torch_forms(built, family, monkeypatch):
+    monkeypatch.setattr(stack, "_ON", False)  # layer by layer, where the step kernels' calls are seen
     model = load_model(f"tiny-{family}")
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
@@ -96,6 +97,7 @@ def test_prefill_chunks_and_training_keep_torch(built, monkeypatch):
 def test_a_forward_without_autograd_asks_whether_it_is_a_step_once(built, monkeypatch):
     """run_layers asks kernels.step_fits once for all of its layers (each ask read the environment, ~3% of a
     draft step); with autograd on, every call asks again, so trainable layers still take torch."""
+    monkeypatch.setattr(stack, "_ON", False)  # layer by layer, where the step kernels' calls are seen
     model = load_model("tiny-llama")
     asked = []
     real = kernels.step_fits

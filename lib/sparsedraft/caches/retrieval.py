@@ -253,6 +253,11 @@ class RetrievalCache(KVCache):
         stop = self._write_new(layer, k, v)
         return self.k[layer][:, :, :stop], self.v[layer][:, :, :stop], self._mask
 
+    def step_slots(self) -> tuple[int, int] | None:
+        start = self.budget + self.spec
+        plain = self._mask is CAUSAL and type(self).attend is RetrievalCache.attend
+        return (start, start + self._new) if plain else None
+
     def _write_new(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """This step's keys and values into the speculative region; returns the end of what the step sees."""
         start = self.budget + self.spec

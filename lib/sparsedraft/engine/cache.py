@@ -83,6 +83,13 @@ class KVCache:
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         raise NotImplementedError
 
+    def step_slots(self) -> tuple[int, int] | None:
+        """(start, stop) where, after :meth:`begin`, this step's :meth:`attend` is exactly: its keys and values
+        written at slots [start, stop) of ``k[layer]`` / ``v[layer]``, and every slot before stop attended
+        causally (:data:`CAUSAL`); None otherwise. What lets a step run its layers in one C++ call
+        (``engine/stack.py``)."""
+        return None
+
     def end(self) -> None:
         raise NotImplementedError
 
@@ -138,6 +145,10 @@ class StaticCache(KVCache):
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end], self._mask
+
+    def step_slots(self) -> tuple[int, int] | None:
+        plain = self._mask is CAUSAL and type(self).attend is StaticCache.attend
+        return (self.length, self.length + self._new) if plain else None
 
     def end(self) -> None:
         self.length += self._new

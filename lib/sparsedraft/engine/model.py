@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import require
-from . import kernels
+from . import kernels, stack
 from .cache import CAUSAL, Causal, Int8Slots, KVCache, RowCaches, SequenceView, StaticCache, causal_tail
 from .config import ModelConfig
 from .quant import Int8Linear, RoundedInt8Linear
@@ -471,6 +471,13 @@ def _step_linears(block: "Block", x: torch.Tensor) -> tuple[list[torch.Tensor], 
     return tensors[:9], tensors[9:]
 
 
+def _stacked_linears(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """:func:`_step_linears` for a block whose forward is :class:`Block`'s own (what ``engine/stack.py`` runs
+    in C++), else None."""
+    plain = type(block) is Block and type(block._modules["self_attn"]) is Attention
+    return _step_linears(block, x) if plain else None
+
+
 def run_layers(layers: nn.ModuleList, rotary: Rotary, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                capture: Capture | None = None) -> torch.Tensor:
     """``x`` [B, T, hidden] through ``layers`` over ``cache`` at ``positions`` ([B, T] or [T]): the body of every
@@ -482,10 +489,15 @@ def run_layers(layers: nn.ModuleList, rotary: Rotary, x: torch.Tensor, positions
     kept = []
     decided = _STEP_FITS.set(None if torch.is_grad_enabled() else kernels.step_fits(x))
     try:
-        for i, block in enumerate(layers):
-            x = block(x, angles, cache, capture)
-            if i in lower:
-                kept.append(x.detach())
+        outputs = None if capture is not None and capture.layers else stack.run(layers, x, angles.rows, cache,
+                                                                               lower, _stacked_linears)
+        if outputs is not None:
+            *kept, x = outputs
+        else:
+            for i, block in enumerate(layers):
+                x = block(x, angles, cache, capture)
+                if i in lower:
+                    kept.append(x.detach())
     finally:
         _STEP_FITS.reset(decided)
     if capture is not None and capture.hidden:

@@ -55,7 +55,7 @@ from ..cpuinfo import cpu_flags, read_cpuinfo
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
                 ("decode_attention.cpp", "few_rows_linear.cpp", "rounded_rows_linear.cpp", "step_pointwise.cpp",
-                 "step_block.cpp", "bindings.cpp"))
+                 "step_block.cpp", "step_stack.cpp", "bindings.cpp"))
 # compiled into the sources, so part of the build key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernels.h", "prefetch.h", "tiles.h"))
 MAX_LINEAR_ROWS = 16  # rows the few-row linear kernels take (decode and verification steps): kernels.h kLinearRows
@@ -250,6 +250,12 @@ def running(module: ModuleType) -> Iterator[None]:
         yield
     finally:
         _module = mine
+
+
+def current() -> ModuleType:
+    """The build the kernel calls go to now: this checkout's, or another one inside :func:`running`. Call
+    :func:`available` first."""
+    return _built()
 
 
 def use_tiles(on: bool) -> bool:
@@ -550,6 +556,21 @@ def layer_tail(x: torch.Tensor, a: torch.Tensor, linears: list[torch.Tensor], no
     up and down (empty bias: none; empty scale: not int8 codes, else fp32 [N]). The same calls in the same
     order as the Python path (``kernels/step_block.cpp``), so the same bits. Call :func:`available` first."""
     return _module.layer_tail(x, a, linears, norm_weight, float(eps))
+
+
+def layer_stack(head_norms: list[torch.Tensor], head_eps: list[float], head_linears: list[list[torch.Tensor]],
+                tail_norms: list[torch.Tensor], tail_eps: list[float], tail_linears: list[list[torch.Tensor]],
+                k: list[torch.Tensor], v: list[torch.Tensor], heads: int, scale: float, rope_keys: bool,
+                key_rows: int = KEY_ROWS):
+    """A step's decoder stack as one C++ object (``kernels/step_stack.cpp``), per layer the arguments of
+    :func:`layer_head` and :func:`layer_tail` and a cache's k, v buffers [B, KV, slots, D].
+    ``.run(x, start, stop, cos, sin, keep)`` runs each layer's :func:`layer_head`, writes its keys and values
+    at slots [start, stop), :func:`attend` over slots [0, stop) and :func:`layer_tail`, and returns the outputs
+    of the layers in ``keep`` (ascending), then the last layer's: the Python path's calls in its order, so its
+    bits. Call :func:`available` first."""
+    return _module.LayerStack(head_norms, [float(e) for e in head_eps], head_linears, tail_norms,
+                              [float(e) for e in tail_eps], tail_linears, k, v, int(heads), float(scale),
+                              bool(rope_keys), int(key_rows))
 
 
 def step_fits(x: torch.Tensor) -> bool:

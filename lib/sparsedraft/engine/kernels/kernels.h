@@ -59,6 +59,28 @@ at::Tensor step_layer_tail(const at::Tensor& x, const at::Tensor& a, const std::
 // Rows a few-row linear step takes (a decode or verification step's rows), whatever its weights: the float and
 // int8 kernels (few_rows_linear.cpp) and the rounded-x one (rounded_rows_linear.cpp). Python's
 // kernels.MAX_LINEAR_ROWS is this number.
+// A step's decoder stack in one call (step_stack.cpp): per layer the norms, eps and (weight, bias, scale) lists that
+// step_layer_head and step_layer_tail take, and the cache's k, v buffers [B, KV, slots, D].
+struct LayerStack {
+  std::vector<at::Tensor> head_norms;
+  std::vector<double> head_eps;
+  std::vector<std::vector<at::Tensor>> head_lin;
+  std::vector<at::Tensor> tail_norms;
+  std::vector<double> tail_eps;
+  std::vector<std::vector<at::Tensor>> tail_lin;
+  std::vector<at::Tensor> k, v;
+  int64_t heads;
+  double scale;
+  bool rope_keys;
+  int64_t key_rows;
+  LayerStack(std::vector<at::Tensor> head_norms, std::vector<double> head_eps,
+             std::vector<std::vector<at::Tensor>> head_lin, std::vector<at::Tensor> tail_norms,
+             std::vector<double> tail_eps, std::vector<std::vector<at::Tensor>> tail_lin, std::vector<at::Tensor> k,
+             std::vector<at::Tensor> v, int64_t heads, double scale, bool rope_keys, int64_t key_rows);
+  std::vector<at::Tensor> run(at::Tensor x, int64_t start, int64_t stop, const at::Tensor& cos, const at::Tensor& sin,
+                              const std::vector<int64_t>& keep) const;
+};
+
 constexpr int64_t kLinearRows = 16;
 
 // Whether an AVX2+FMA build runs few-row linear steps of more than 8 rows two rows at a time (avx2_paired) or
