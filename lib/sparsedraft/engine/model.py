@@ -467,8 +467,9 @@ def _step_linears(block: "Block", x: torch.Tensor) -> tuple[list[torch.Tensor], 
     for layer, weight in zip(layers, weights):
         scale = layer.scale.float().contiguous() if isinstance(layer, (Int8Linear, RoundedInt8Linear)) else none
         tensors += [weight, none if layer.bias is None else layer.bias, scale]
-    block.__dict__["_step_linears"] = (x.dtype, weights, (tensors[:9], tensors[9:]))
-    return tensors[:9], tensors[9:]
+    fused = tensors[:9], tensors[9:]
+    block.__dict__["_step_linears"] = (x.dtype, weights, fused)
+    return fused  # the kept object itself: engine/stack.py tells weights apart by its identity
 
 
 def _stacked_linears(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:

@@ -25,6 +25,7 @@ import torch
 from . import kernels
 
 _ON = True
+_KEPT = 4  # stacks kept per cache: one per model and kernel build that steps over it (an A/B of two builds: 2)
 
 
 def stack_steps(on: bool) -> bool:
@@ -50,20 +51,26 @@ def run(layers: Sequence[torch.nn.Module], x: torch.Tensor, rows: Callable[[], t
     linears = [fused(block, x) for block in layers]
     if any(lin is None for lin in linears):
         return None
-    key = (id(kernels.current()), x.dtype, *map(id, cache.k), *map(id, cache.v), *(id(lin) for lin in linears),
-           *(id(block.input_layernorm.weight) for block in layers),
-           *(id(block.post_attention_layernorm.weight) for block in layers))
-    kept = cache.__dict__.get("_layer_stack")
-    if kept is None or kept[0] != key:
-        kept = key, _stack(layers, linears, cache)
-        cache.__dict__["_layer_stack"] = kept
+    key = (id(kernels.current()), x.dtype, *map(id, cache.k), *map(id, cache.v), *map(id, linears),
+           *((id(n.weight), n.eps) for block in layers for n in _norms(block)))
+    stacks = cache.__dict__.setdefault("_layer_stacks", {})
+    made = stacks.get(key)
+    if made is None:
+        if len(stacks) >= _KEPT:  # weights or buffers replaced: the old stacks would only hold them alive
+            stacks.clear()
+        # kept with the objects whose ids the key holds, so no id in it can pass to a new object meanwhile
+        made = stacks[key] = _stack(layers, linears, cache), linears, [n.weight for block in layers
+                                                                      for n in _norms(block)]
     cos, sin = rows()
-    return kept[1].run(x, slots[0], slots[1], cos, sin, list(keep))
+    return made[0].run(x, slots[0], slots[1], cos, sin, list(keep))
+
+
+def _norms(block: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return block.input_layernorm, block.post_attention_layernorm
 
 
 def _stack(layers: Sequence[torch.nn.Module], linears: list[tuple], cache):
-    heads = [block.input_layernorm for block in layers]
-    tails = [block.post_attention_layernorm for block in layers]
+    heads, tails = zip(*map(_norms, layers))
     attention = layers[0].self_attn
     return kernels.layer_stack([n.weight for n in heads], [n.eps for n in heads], [lin[0] for lin in linears],
                                [n.weight for n in tails], [n.eps for n in tails], [lin[1] for lin in linears],
