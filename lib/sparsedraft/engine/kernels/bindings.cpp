@@ -62,7 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &step_rope, "rotary embedding of x [..., H, D] by cos, sin [..., D] (step_pointwise.cpp)");
   m.def("layer_head", &step_layer_head, "RMSNorm, q/k/v and RoPE in one call (step_block.cpp)");
   m.def("layer_tail", &step_layer_tail, "o_proj, residual, RMSNorm, gated MLP, residual in one call (step_block.cpp)");
-  pybind11::class_<LayerStack>(m, "LayerStack", "a step's decoder stack in one call (step_stack.cpp)")
+  // module_local: another build of these files (kernels.build_from, an A/B in one process) registers its own
+  pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local(),
+                               "a step's decoder stack in one call (step_stack.cpp)")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<double>, std::vector<std::vector<at::Tensor>>,
                           std::vector<at::Tensor>, std::vector<double>, std::vector<std::vector<at::Tensor>>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, double, bool, int64_t>())
