@@ -263,6 +263,10 @@ def test_step_ops_bench_times_every_form_and_only_the_on_runs_reach_the_kernels(
     assert calls.count("stack") == forwards  # the 'stack' forwards
     assert calls.count("layer_head") == calls.count("layer_tail") == forwards * layers  # the 'on' forwards
     assert calls.count("rms_norm") == forwards * (2 + 2 * layers + 1)  # 'stack', 'on': the final norm; 'layers': all
+    calls.clear()  # over an int8 retrieval view (TriForce's level 2 with --draft-kv int8) the stack runs too
+    view = step_ops.time_steps("tiny-llama", context=40, tokens=(2,), repeats=1, draft_weights="int8",
+                               draft_kv="int8")
+    assert view[0]["draft_kv"] == "int8" and calls.count("stack") == 2 + 1
 
 
 def test_step_ops_bench_refuses_bad_flags_before_loading_a_model(monkeypatch):

@@ -8,7 +8,7 @@ import torch
 
 from sparsedraft.caches import kv_quant
 from sparsedraft.caches.kv_quant import QuantizedRetrievalCache
-from sparsedraft.engine import kernels
+from sparsedraft.engine import kernels, stack
 from sparsedraft.engine.cache import StaticCache
 from sparsedraft.engine.model import Capture
 from sparsedraft.engine.tiny import tiny_model
@@ -76,6 +76,7 @@ def test_bad_int8_inputs_are_refused(built):
 
 @torch.inference_mode()
 def test_an_int8_view_step_reads_the_codes_and_gives_its_dense_fallbacks_logits(built, monkeypatch):
+    monkeypatch.setattr(stack, "_ON", False)  # layer by layer, where the calls are seen (the stack: test_layer_stack)
     target = tiny_model("llama", 0)
     cfg = target.cfg
     prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))

@@ -91,27 +91,34 @@ def test_captured_features_and_lower_layers_are_the_layer_by_layer_ones(built):
     assert runs[0][2].shape[-1] == 3 * target.cfg.hidden_size
 
 
-def test_a_retrieval_view_steps_through_the_stack_and_a_quantised_one_does_not(built, monkeypatch):
-    target = tiny_model("llama")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_retrieval_views_step_through_the_stack_over_full_precision_and_int8_slots(built, dtype):
+    """TriForce's level 2: a view of full-precision slots, and one whose budget is int8 codes (attend_int8);
+    an int4 view is made dense for torch's attention and keeps the layer-by-layer path."""
+    target = draft_copy(tiny_model("llama", dtype=dtype), "w8a8")
     tokens = _tokens(target)
     outputs = {}
-    for kind, on in (("view", True), ("view", False), ("int8", True)):
+    for kind, on in [(kind, on) for kind in ("same", "int8", "int4") for on in (True, False)]:
         full = target.new_cache(48)
         capture = Capture(layers=set(range(target.cfg.num_layers)))
         with torch.inference_mode():
             target(tokens[:, :30], cache=full, capture=capture)
         queries = {layer: q[:, :, -1] for layer, q in capture.queries.items()}
-        view = (RetrievalCache(target.cfg, 16, 4, spec_slots=8) if kind == "view"
-                else QuantizedRetrievalCache(target.cfg, 16, 4, spec_slots=8, draft_kv="int8"))
+        view = (RetrievalCache(target.cfg, 16, 4, spec_slots=8, dtype=dtype) if kind == "same"
+                else QuantizedRetrievalCache(target.cfg, 16, 4, spec_slots=8, draft_kv=kind, dtype=dtype))
         view.build(full, queries)
         before = stack.stack_steps(on)
         try:
             with torch.inference_mode():
                 outputs[kind, on] = [target(tokens[:, 30:33], cache=view), target(tokens[:, 33:34], cache=view)]
+                view.rollback(2)
+                outputs[kind, on].append(target(tokens[:, 35:37], cache=view))
         finally:
             stack.stack_steps(before)
-        assert ("_layer_stacks" in view.__dict__) == (kind == "view" and on)
-    _same(outputs["view", True], outputs["view", False])
+        assert ("_layer_stacks" in view.__dict__) == (kind != "int4" and on)
+    for kind in ("same", "int8", "int4"):
+        _same(outputs[kind, True], outputs[kind, False])
+    assert not torch.equal(outputs["same", True][0], outputs["int8", True][0])  # the codes were read
 
 
 def test_new_weights_and_new_buffers_are_read_not_the_ones_first_seen(built):

@@ -26,9 +26,11 @@ from ..engine.machine import best_isa, provenance
 from ..engine.quant import check_draft_weights, draft_copy
 from ..engine.runtime import DTYPES
 from ..engine.rope import Angles
-from ..engine.weights import load_model
+from ..caches.kv_quant import DRAFT_KV, check_draft_kv
+from ..engine.weights import load_config, load_model
 from ..errors import exit_with, require
 from .ar import random_cache
+from .whole_steps import quantized_view
 from .record import finish_module
 from .timing import interleaved_runs, median_ms, seconds_of
 
@@ -51,12 +53,17 @@ def time_ops(repeats: int = 5, calls: int = 2000) -> list[dict]:
 
 
 def time_steps(model: str = "smollm2-135m", context: int = 512, tokens: tuple[int, ...] = (1, 7),
-               repeats: int = 9, dtype: str = "fp32", draft_weights: str = "same") -> list[dict]:
+               repeats: int = 9, dtype: str = "fp32", draft_weights: str = "same",
+               draft_kv: str = "same") -> list[dict]:
     """Median ms of a step of each length over a cache of ``context`` random keys and values (the work
-    does not depend on the values, so no prefill): with the whole layer stack in one call, with the fused
+    does not depend on the values, so no prefill; ``draft_kv`` other than "same": a retrieval view of them
+    stored that way, as TriForce's level 2 reads): with the whole layer stack in one call, with the fused
     layer calls, with the step kernels one call at a time, and with torch's ops."""
-    target = draft_copy(load_model(model, DTYPES[dtype]).eval(), draft_weights)
-    cache = random_cache(target, context, max(tokens))
+    full = load_model(model, DTYPES[dtype]).eval()
+    cache = random_cache(full, context, max(tokens))
+    if draft_kv != "same":
+        cache = quantized_view(full, cache, draft_kv, max(tokens))
+    target = draft_copy(full, draft_weights)
     gen = torch.Generator().manual_seed(1)
     no_fusion = lambda *a: None  # noqa: E731 - engine._step_linears saying no layer takes the fused calls
     forms = {"stack": (engine.is_step, engine._step_linears, True),
@@ -71,7 +78,7 @@ def time_steps(model: str = "smollm2-135m", context: int = 512, tokens: tuple[in
                 is_step, step_linears, stacked = forms[form]
 
                 def timed():
-                    cache.length = context
+                    cache.rollback(cache.length - context) if draft_kv == "same" else cache.rollback(cache.spec)
                     before = stack.stack_steps(stacked)
                     try:
                         with mock.patch.object(engine, "is_step", is_step), \
@@ -85,7 +92,8 @@ def time_steps(model: str = "smollm2-135m", context: int = 512, tokens: tuple[in
 
             runs = interleaved_runs({form: step(form) for form in forms}, 2, repeats)
             whole, on, layers, off = (median_ms(runs[form]) for form in forms)
-            rows.append({"model": model, "dtype": dtype, "draft_weights": draft_weights, "context": context,
+            rows.append({"model": model, "dtype": dtype, "draft_weights": draft_weights, "draft_kv": draft_kv,
+                         "context": context,
                          "tokens": t, "stack_ms": round(whole, 2), "kernels_ms": round(on, 2),
                          "python_layers_ms": round(layers, 2), "torch_ops_ms": round(off, 2),
                          "saved": round(1 - on / off, 3), "layer_calls_saved": round(1 - on / layers, 3),
@@ -102,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     parser.add_argument("--draft-weights", default="same",
                         help="time a draft copy of the model with these weights (same, bf16, int8, w8a8, int4)")
+    parser.add_argument("--draft-kv", default="same", choices=DRAFT_KV,
+                        help="step over a retrieval view of the context stored this way (TriForce's level 2)")
     parser.add_argument("--record", default="", metavar="PATH.json",
                         help="also write the rows as a results record (docs/results/) with the read bandwidth, ISA "
                              "and commit")
@@ -111,16 +121,19 @@ def main(argv: list[str] | None = None) -> None:
             f"--tokens takes step lengths in 1..{engine.KERNEL_MAX_TOKENS}, got {args.tokens}")
     require(args.context >= 8, f"--context must be at least 8 tokens, got {args.context}")
     check_draft_weights(args.draft_weights)
+    check_draft_kv(args.draft_kv, load_config(args.model))
     if not kernels.available():
         raise SystemExit("the C++ kernels are unavailable here; nothing to time")
     started = provenance()
     ops = time_ops()
-    steps = time_steps(args.model, args.context, tuple(args.tokens), args.repeats, args.dtype, args.draft_weights)
+    steps = time_steps(args.model, args.context, tuple(args.tokens), args.repeats, args.dtype, args.draft_weights,
+                       args.draft_kv)
     print(f"kernels: {kernels.path()}, {torch.get_num_threads()} threads")
     for row in ops:
         print(f"{row['op']:>9} {row['form']:>7} {row['us']:>8.1f} us")
     for row in steps:
-        print(f"{row['model']} {row['dtype']} ({row['draft_weights']} weights) step of {row['tokens']} at "
+        print(f"{row['model']} {row['dtype']} ({row['draft_weights']} weights, {row['draft_kv']} KV) step of "
+              f"{row['tokens']} at "
               f"{row['context']}: {row['stack_ms']:.1f} ms with the layer stack in one call "
               f"({100 * row['stack_saved']:.0f}% under the fused layer calls), "
               f"{row['kernels_ms']:.1f} ms with the kernels and fused layer calls, "

@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from ..engine.cache import Causal, Int8Slots
+from ..engine.cache import CAUSAL, Causal, Int8Slots
 from ..engine.config import ModelConfig
 from ..errors import require
 from .retrieval import RetrievalCache
@@ -123,6 +123,21 @@ class QuantizedRetrievalCache(RetrievalCache):
             return keys, values, mask
         keys, values = (self._dense(store, own, work, stop) for store, own, work in pairs)
         return keys, values, mask
+
+    def step_slots(self) -> tuple[int, int] | None:
+        start = self.budget + self.spec
+        plain = (self._mask is CAUSAL and self.draft_kv == "int8"
+                 and type(self).attend is QuantizedRetrievalCache.attend)
+        return (start, start + self._new) if plain else None
+
+    def step_codes(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
+                                  int] | None:
+        if self.draft_kv != "int8":
+            return None
+        if "_codes" not in self.__dict__:  # views made once (the stores are written in place): one stack per cache
+            self._codes = ([s.q for s in self.qk], [s.scale[..., 0, 0] for s in self.qk], [s.q for s in self.qv],
+                           [s.scale[..., 0, 0] for s in self.qv], self.budget)
+        return self._codes
 
     def _dense(self, store: QuantizedKV, own: torch.Tensor, work: torch.Tensor, stop: int) -> torch.Tensor:
         """The budget region dequantised and the speculative region as it is, in the workspace every layer shares."""

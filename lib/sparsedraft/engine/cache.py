@@ -90,6 +90,13 @@ class KVCache:
         (``engine/stack.py``)."""
         return None
 
+    def step_codes(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
+                                  int] | None:
+        """For a step with :meth:`step_slots` whose first ``n`` slots are read as int8 codes instead of ``k`` /
+        ``v`` (:class:`Int8Slots`): per layer the key codes [B, KV, n, D], key scales [B, KV, n], value codes and
+        value scales, then ``n``; None where every slot is read from ``k`` / ``v``."""
+        return None
+
     def end(self) -> None:
         raise NotImplementedError
 

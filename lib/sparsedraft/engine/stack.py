@@ -8,8 +8,8 @@ a seventh of the step and more of a draft level's. ``kernels.layer_stack`` makes
 order in C++, so every row keeps the Python path's bits (``tests/test_layer_stack.py``).
 
 Where: :func:`model.run_layers` asks :func:`run` first. It runs a step whose cache's step is plain
-(:meth:`KVCache.step_slots`: a :class:`StaticCache`, or a :class:`RetrievalCache` over full-precision slots, once
-its mask is causal), whose every layer takes the fused layer kernels, and that captures no per-layer queries or
+(:meth:`KVCache.step_slots`: a :class:`StaticCache`, or a :class:`RetrievalCache` over full-precision or int8
+slots, once its mask is causal), whose every layer takes the fused layer kernels, and that captures no per-layer queries or
 attention weights. The stack (the layers' tensors and the cache's buffers) is made once per cache, set of
 weights and kernel build (``kernels.running`` swaps builds for an A/B), kept on the cache, and remade when any of
 them changes. :func:`stack_steps` turns it off, for an A/B in one
@@ -51,16 +51,18 @@ def run(layers: Sequence[torch.nn.Module], x: torch.Tensor, rows: Callable[[], t
     linears = [fused(block, x) for block in layers]
     if any(lin is None for lin in linears):
         return None
+    codes = cache.step_codes()
     key = (id(kernels.current()), x.dtype, *map(id, cache.k), *map(id, cache.v), *map(id, linears),
-           *((id(n.weight), n.eps) for block in layers for n in _norms(block)))
+           *((id(n.weight), n.eps) for block in layers for n in _norms(block)),
+           *(() if codes is None else (*(id(t) for part in codes[:4] for t in part), codes[4])))
     stacks = cache.__dict__.setdefault("_layer_stacks", {})
     made = stacks.get(key)
     if made is None:
         if len(stacks) >= _KEPT:  # weights or buffers replaced: the old stacks would only hold them alive
             stacks.clear()
         # kept with the objects whose ids the key holds, so no id in it can pass to a new object meanwhile
-        made = stacks[key] = _stack(layers, linears, cache), linears, [n.weight for block in layers
-                                                                      for n in _norms(block)]
+        made = stacks[key] = _stack(layers, linears, cache, codes), linears, [n.weight for block in layers
+                                                                             for n in _norms(block)]
     cos, sin = rows()
     return made[0].run(x, slots[0], slots[1], cos, sin, list(keep))
 
@@ -69,10 +71,10 @@ def _norms(block: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     return block.input_layernorm, block.post_attention_layernorm
 
 
-def _stack(layers: Sequence[torch.nn.Module], linears: list[tuple], cache):
+def _stack(layers: Sequence[torch.nn.Module], linears: list[tuple], cache, codes):
     heads, tails = zip(*map(_norms, layers))
     attention = layers[0].self_attn
     return kernels.layer_stack([n.weight for n in heads], [n.eps for n in heads], [lin[0] for lin in linears],
                                [n.weight for n in tails], [n.eps for n in tails], [lin[1] for lin in linears],
                                list(cache.k), list(cache.v), attention.cfg.num_heads, attention.scale,
-                               not cache.keys_prerope)
+                               not cache.keys_prerope, codes)

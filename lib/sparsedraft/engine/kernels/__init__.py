@@ -50,7 +50,7 @@ from typing import Iterator
 
 import torch
 
-from ...errors import require
+from ...errors import SparsedraftError, require
 from ..cpuinfo import cpu_flags, read_cpuinfo
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
@@ -561,16 +561,24 @@ def layer_tail(x: torch.Tensor, a: torch.Tensor, linears: list[torch.Tensor], no
 def layer_stack(head_norms: list[torch.Tensor], head_eps: list[float], head_linears: list[list[torch.Tensor]],
                 tail_norms: list[torch.Tensor], tail_eps: list[float], tail_linears: list[list[torch.Tensor]],
                 k: list[torch.Tensor], v: list[torch.Tensor], heads: int, scale: float, rope_keys: bool,
-                key_rows: int = KEY_ROWS):
+                codes: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]
+                | None = None, key_rows: int = KEY_ROWS):
     """A step's decoder stack as one C++ object (``kernels/step_stack.cpp``), per layer the arguments of
-    :func:`layer_head` and :func:`layer_tail` and a cache's k, v buffers [B, KV, slots, D].
-    ``.run(x, start, stop, cos, sin, keep)`` runs each layer's :func:`layer_head`, writes its keys and values
-    at slots [start, stop), :func:`attend` over slots [0, stop) and :func:`layer_tail`, and returns the outputs
-    of the layers in ``keep`` (ascending), then the last layer's: the Python path's calls in its order, so its
-    bits. Call :func:`available` first."""
-    return _module.LayerStack(head_norms, [float(e) for e in head_eps], head_linears, tail_norms,
-                              [float(e) for e in tail_eps], tail_linears, k, v, int(heads), float(scale),
-                              bool(rope_keys), int(key_rows))
+    :func:`layer_head` and :func:`layer_tail` and a cache's k, v buffers [B, KV, slots, D]; ``codes``: for a view
+    whose first ``n`` slots are int8, per layer its key codes, key scales [B, KV, n], value codes and value
+    scales, then ``n``. ``.run(x, start, stop, cos, sin, keep)`` runs each layer's :func:`layer_head`, writes its
+    keys and values at slots [start, stop), :func:`attend` (:func:`attend_int8` over codes) over slots [0,
+    stop) and :func:`layer_tail`, and returns the outputs of the layers in ``keep`` (ascending), then the last
+    layer's: the Python path's calls in its order, so its bits. Call :func:`available` first."""
+    kc, ks, vc, vs, n = codes if codes is not None else ([], [], [], [], 0)
+    try:
+        return _module.LayerStack(head_norms, [float(e) for e in head_eps], head_linears, tail_norms,
+                                  [float(e) for e in tail_eps], tail_linears, k, v, kc, ks, vc, vs, int(n),
+                                  int(heads), float(scale), bool(rope_keys), int(key_rows))
+    except TypeError as error:  # another revision's build (running()) whose LayerStack takes other arguments
+        raise SparsedraftError(
+            "the kernel build in use takes LayerStack(...) with other arguments than this checkout passes: an A/B "
+            "of whole steps needs a commit whose kernels/step_stack.cpp has this interface") from error
 
 
 def step_fits(x: torch.Tensor) -> bool:

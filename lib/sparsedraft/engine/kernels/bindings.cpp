@@ -67,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                "a step's decoder stack in one call (step_stack.cpp)")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<double>, std::vector<std::vector<at::Tensor>>,
                           std::vector<at::Tensor>, std::vector<double>, std::vector<std::vector<at::Tensor>>,
-                          std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, double, bool, int64_t>())
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
+                          double, bool, int64_t>())
       .def("run", &LayerStack::run, "the step's layers over slots [start, stop); the kept layers' outputs, then the last's");
 }

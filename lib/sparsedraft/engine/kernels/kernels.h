@@ -60,7 +60,9 @@ at::Tensor step_layer_tail(const at::Tensor& x, const at::Tensor& a, const std::
 // int8 kernels (few_rows_linear.cpp) and the rounded-x one (rounded_rows_linear.cpp). Python's
 // kernels.MAX_LINEAR_ROWS is this number.
 // A step's decoder stack in one call (step_stack.cpp): per layer the norms, eps and (weight, bias, scale) lists that
-// step_layer_head and step_layer_tail take, and the cache's k, v buffers [B, KV, slots, D].
+// step_layer_head and step_layer_tail take, and the cache's k, v buffers [B, KV, slots, D]; for a view whose first
+// n_codes slots are int8 codes (attend_int8), per layer its key and value codes [B, KV, n_codes, D] and scales
+// [B, KV, n_codes] (empty lists: none).
 struct LayerStack {
   std::vector<at::Tensor> head_norms;
   std::vector<double> head_eps;
@@ -68,7 +70,8 @@ struct LayerStack {
   std::vector<at::Tensor> tail_norms;
   std::vector<double> tail_eps;
   std::vector<std::vector<at::Tensor>> tail_lin;
-  std::vector<at::Tensor> k, v;
+  std::vector<at::Tensor> k, v, kc, ks, vc, vs;
+  int64_t n_codes;
   int64_t heads;
   double scale;
   bool rope_keys;
@@ -76,7 +79,9 @@ struct LayerStack {
   LayerStack(std::vector<at::Tensor> head_norms, std::vector<double> head_eps,
              std::vector<std::vector<at::Tensor>> head_lin, std::vector<at::Tensor> tail_norms,
              std::vector<double> tail_eps, std::vector<std::vector<at::Tensor>> tail_lin, std::vector<at::Tensor> k,
-             std::vector<at::Tensor> v, int64_t heads, double scale, bool rope_keys, int64_t key_rows);
+             std::vector<at::Tensor> v, std::vector<at::Tensor> kc, std::vector<at::Tensor> ks,
+             std::vector<at::Tensor> vc, std::vector<at::Tensor> vs, int64_t n_codes, int64_t heads, double scale,
+             bool rope_keys, int64_t key_rows);
   std::vector<at::Tensor> run(at::Tensor x, int64_t start, int64_t stop, const at::Tensor& cos, const at::Tensor& sin,
                               const std::vector<int64_t>& keep) const;
 };
