@@ -482,7 +482,8 @@ def _stacked_linears(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tens
 def run_layers(layers: nn.ModuleList, rotary: Rotary, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                capture: Capture | None = None) -> torch.Tensor:
     """``x`` [B, T, hidden] through ``layers`` over ``cache`` at ``positions`` ([B, T] or [T]): the body of every
-    forward (the target's, and a feature drafter's one layer)."""
+    forward (the target's, and a feature drafter's one layer). A step that allows it runs all of its layers in
+    one C++ call (``engine/stack.py``), with the same bits."""
     if positions.dim() == 1:
         positions = positions[None].expand(x.shape[0], -1)
     angles = rotary.angles(cache.begin(positions), x.dtype)

@@ -70,5 +70,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
                           double, bool, int64_t>())
-      .def("run", &LayerStack::run, "the step's layers over slots [start, stop); the kept layers' outputs, then the last's");
+      .def("run", &LayerStack::run,
+           "the step's layers over slots [start, stop); the kept layers' outputs, then the last's");
 }
