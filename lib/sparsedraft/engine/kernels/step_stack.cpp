@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -59,7 +60,7 @@ std::vector<at::Tensor> LayerStack::run(at::Tensor x, int64_t start, int64_t sto
     v[i].slice(2, start, stop).copy_(qkv[2].transpose(1, 2));
     const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3), kv = k[i].size(1);
     const at::Tensor rows = q.reshape({b, kv, (h / kv) * t, d});
-    const auto f32 = [](const at::Tensor& x) { return x.to(at::kFloat); };  // as kernels.attend_int8 hands them
+    const auto f32 = [](const at::Tensor& a) { return a.to(at::kFloat); };  // as kernels.attend_int8 hands them
     const at::Tensor out =
         kc.empty() ? attend(rows, k[i].slice(2, 0, stop), v[i].slice(2, 0, stop), scale, t, key_rows)
                    : attend_int8(f32(rows).contiguous(), kc[i], f32(ks[i]), vc[i], f32(vs[i]),
