@@ -19,6 +19,7 @@ from unittest import mock
 
 import torch
 
+from ..caches.kv_quant import DRAFT_KV, check_draft_kv
 from ..engine import kernels, stack
 from ..engine import model as engine
 from ..engine.cpuinfo import cpu_flags
@@ -26,13 +27,12 @@ from ..engine.machine import best_isa, provenance
 from ..engine.quant import check_draft_weights, draft_copy
 from ..engine.runtime import DTYPES
 from ..engine.rope import Angles
-from ..caches.kv_quant import DRAFT_KV, check_draft_kv
 from ..engine.weights import load_config, load_model
 from ..errors import exit_with, require
 from .ar import random_cache
-from .whole_steps import quantized_view
 from .record import finish_module
 from .timing import interleaved_runs, median_ms, seconds_of
+from .whole_steps import quantized_view
 
 
 
@@ -78,7 +78,7 @@ def time_steps(model: str = "smollm2-135m", context: int = 512, tokens: tuple[in
                 is_step, step_linears, stacked = forms[form]
 
                 def timed():
-                    cache.rollback(cache.length - context) if draft_kv == "same" else cache.rollback(cache.spec)
+                    cache.rollback(cache.length - context if draft_kv == "same" else cache.spec)
                     before = stack.stack_steps(stacked)
                     try:
                         with mock.patch.object(engine, "is_step", is_step), \
@@ -93,8 +93,7 @@ def time_steps(model: str = "smollm2-135m", context: int = 512, tokens: tuple[in
             runs = interleaved_runs({form: step(form) for form in forms}, 2, repeats)
             whole, on, layers, off = (median_ms(runs[form]) for form in forms)
             rows.append({"model": model, "dtype": dtype, "draft_weights": draft_weights, "draft_kv": draft_kv,
-                         "context": context,
-                         "tokens": t, "stack_ms": round(whole, 2), "kernels_ms": round(on, 2),
+                         "context": context, "tokens": t, "stack_ms": round(whole, 2), "kernels_ms": round(on, 2),
                          "python_layers_ms": round(layers, 2), "torch_ops_ms": round(off, 2),
                          "saved": round(1 - on / off, 3), "layer_calls_saved": round(1 - on / layers, 3),
                          "stack_saved": round(1 - whole / on, 3)})
@@ -133,8 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['op']:>9} {row['form']:>7} {row['us']:>8.1f} us")
     for row in steps:
         print(f"{row['model']} {row['dtype']} ({row['draft_weights']} weights, {row['draft_kv']} KV) step of "
-              f"{row['tokens']} at "
-              f"{row['context']}: {row['stack_ms']:.1f} ms with the layer stack in one call "
+              f"{row['tokens']} at {row['context']}: {row['stack_ms']:.1f} ms with the layer stack in one call "
               f"({100 * row['stack_saved']:.0f}% under the fused layer calls), "
               f"{row['kernels_ms']:.1f} ms with the kernels and fused layer calls, "
               f"{row['python_layers_ms']:.1f} ms calling the kernels one by one "
