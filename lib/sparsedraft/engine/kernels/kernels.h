@@ -56,9 +56,6 @@ std::vector<at::Tensor> step_layer_head(const at::Tensor& x, const at::Tensor& n
 at::Tensor step_layer_tail(const at::Tensor& x, const at::Tensor& a, const std::vector<at::Tensor>& lin,
                            const at::Tensor& norm_weight, double eps);
 
-// Rows a few-row linear step takes (a decode or verification step's rows), whatever its weights: the float and
-// int8 kernels (few_rows_linear.cpp) and the rounded-x one (rounded_rows_linear.cpp). Python's
-// kernels.MAX_LINEAR_ROWS is this number.
 // A step's decoder stack in one call (step_stack.cpp): per layer the norms, eps and (weight, bias, scale) lists that
 // step_layer_head and step_layer_tail take, and the cache's k, v buffers [B, KV, slots, D]; for a view whose first
 // n_codes slots are int8 codes (attend_int8), per layer its key and value codes [B, KV, n_codes, D] and scales
@@ -86,6 +83,9 @@ struct LayerStack {
                               const std::vector<int64_t>& keep) const;
 };
 
+// Rows a few-row linear step takes (a decode or verification step's rows), whatever its weights: the float and
+// int8 kernels (few_rows_linear.cpp) and the rounded-x one (rounded_rows_linear.cpp). Python's
+// kernels.MAX_LINEAR_ROWS is this number.
 constexpr int64_t kLinearRows = 16;
 
 // Whether an AVX2+FMA build runs few-row linear steps of more than 8 rows two rows at a time (avx2_paired) or
