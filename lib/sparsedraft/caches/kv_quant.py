@@ -59,6 +59,10 @@ class QuantizedKV:
         self.scale = torch.zeros(b, h, n, d // self.group, 1, dtype=torch.float32, device=device)
         self.levels = 127 if bits == 8 else 7
 
+    def token_scale(self) -> torch.Tensor:
+        """int8's one scale per stored token, [B, H, N] (a view): what ``kernels.attend_int8`` reads."""
+        return self.scale[..., 0, 0]
+
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` [B, H, T, D] -> (codes, scales) as stored."""
         groups = x.float().unflatten(-1, (-1, self.group))
@@ -118,25 +122,24 @@ class QuantizedRetrievalCache(RetrievalCache):
         mask = self._mask
         pairs = ((self.qk[layer], self.k[layer], self.work_k), (self.qv[layer], self.v[layer], self.work_v))
         if self.draft_kv == "int8":  # the attention reads the codes where its kernel can (model.attention)
-            keys, values = (Int8Slots(store.q, store.scale[..., 0, 0], own[:, :, self.budget:stop],
+            keys, values = (Int8Slots(store.q, store.token_scale(), own[:, :, self.budget:stop],
                                       partial(self._dense, store, own, work, stop)) for store, own, work in pairs)
             return keys, values, mask
         keys, values = (self._dense(store, own, work, stop) for store, own, work in pairs)
         return keys, values, mask
 
     def step_slots(self) -> tuple[int, int] | None:
-        start = self.budget + self.spec
         plain = (self._mask is CAUSAL and self.draft_kv == "int8"
                  and type(self).attend is QuantizedRetrievalCache.attend)
-        return (start, start + self._new) if plain else None
+        return self._new_slots() if plain else None
 
     def step_codes(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
                                   int] | None:
         if self.draft_kv != "int8":
             return None
         if "_codes" not in self.__dict__:  # views made once (the stores are written in place): one stack per cache
-            self._codes = ([s.q for s in self.qk], [s.scale[..., 0, 0] for s in self.qk], [s.q for s in self.qv],
-                           [s.scale[..., 0, 0] for s in self.qv], self.budget)
+            self._codes = ([s.q for s in self.qk], [s.token_scale() for s in self.qk], [s.q for s in self.qv],
+                           [s.token_scale() for s in self.qv], self.budget)
         return self._codes
 
     def _dense(self, store: QuantizedKV, own: torch.Tensor, work: torch.Tensor, stop: int) -> torch.Tensor:

@@ -254,14 +254,17 @@ class RetrievalCache(KVCache):
         return self.k[layer][:, :, :stop], self.v[layer][:, :, :stop], self._mask
 
     def step_slots(self) -> tuple[int, int] | None:
-        start = self.budget + self.spec
         plain = self._mask is CAUSAL and type(self).attend is RetrievalCache.attend
-        return (start, start + self._new) if plain else None
+        return self._new_slots() if plain else None
+
+    def _new_slots(self) -> tuple[int, int]:
+        """The speculative-region slots [start, stop) this step's tokens take."""
+        start = self.budget + self.spec
+        return start, start + self._new
 
     def _write_new(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """This step's keys and values into the speculative region; returns the end of what the step sees."""
-        start = self.budget + self.spec
-        stop = start + self._new
+        start, stop = self._new_slots()
         self.k[layer][:, :, start:stop] = k
         self.v[layer][:, :, start:stop] = v
         return stop

@@ -3,8 +3,8 @@ needs Python.
 
 Why: a step makes three kernel calls a layer (``kernels.layer_head``, ``attend``, ``layer_tail``), and the Python
 between them (module calls, the cache's index writes, argument checks) took about 2 ms of a 14 ms bf16
-SmolLM2-135M decode on a 2-core Zen 4 EPYC whatever its context (the replayed kernel calls alone took the rest),
-a seventh of the step and more of a draft level's. ``kernels.layer_stack`` makes the same calls in the same
+SmolLM2-135M decode on a 2-core Zen 4 EPYC whatever its context (the replayed kernel calls alone took the rest;
+scratch, in the message of the commit that added this file), a seventh of the step and more of a draft level's. ``kernels.layer_stack`` makes the same calls in the same
 order in C++, so every row keeps the Python path's bits (``tests/test_layer_stack.py``).
 
 Where: :func:`model.run_layers` asks :func:`run` first. It runs a step whose cache's step is plain
@@ -47,9 +47,12 @@ def run(layers: Sequence[torch.nn.Module], x: torch.Tensor, rows: Callable[[], t
     slots = cache.step_slots()
     if slots is None:
         return None
-    linears = [fused(block, x) for block in layers]
-    if any(lin is None for lin in linears):
-        return None
+    linears = []
+    for block in layers:  # stops at the first block without them (every block of a prefill chunk)
+        lin = fused(block, x)
+        if lin is None:
+            return None
+        linears.append(lin)
     codes = cache.step_codes()
     key = (id(kernels.current()), x.dtype, *map(id, cache.k), *map(id, cache.v), *map(id, linears),
            *((id(n.weight), n.eps) for block in layers for n in _norms(block)),

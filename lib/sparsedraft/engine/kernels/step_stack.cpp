@@ -4,7 +4,8 @@
 //
 // Why: a step makes three kernel calls a layer (layer_head, attend, layer_tail), and the Python between them
 // (module calls, the cache's index writes, argument checks) took about 2 ms of a 14 ms bf16 SmolLM2-135M decode on
-// a 2-core Zen 4 EPYC, a seventh of the step, however short its context (engine/stack.py says where it runs).
+// a 2-core Zen 4 EPYC, a seventh of the step, however short its context (scratch, in the message of the commit
+// that added this file; engine/stack.py says where it runs).
 //
 // Exactness: the calls the Python path makes, in its order, on the same tensors (the few-row kernels, the
 // attention kernel, ATen's copies into the cache), so every row gets the Python path's bits; the tests hold the
