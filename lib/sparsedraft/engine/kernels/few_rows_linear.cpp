@@ -430,8 +430,15 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
               "few_rows_linear takes CPU tensors and a contiguous weight");
   auto out_sizes = x.sizes().vec();  // x's leading dims, then N: the caller reshapes nothing
   out_sizes.back() = n_len;
+  const bool bf16 = x.scalar_type() == at::kBFloat16, biased = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!biased || (bias.dim() == 1 && bias.size(0) == n_len), "bias must be [N]");
+  const auto b = biased ? bias.to(at::kFloat).contiguous() : at::Tensor();  // added after the sum, in float32:
+  const float* bp = biased ? b.data_ptr<float>() : nullptr;                 // the same for every M
   auto yf = at::empty(out_sizes, x.options().dtype(at::kFloat));
+  auto out = bf16 ? at::empty(out_sizes, x.options()) : yf;
   float* yp = yf.data_ptr<float>();
+  uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  const auto finish = [&](int64_t n0, int64_t n1) { finish_outputs(yp, m_len, n_len, n0, n1, bp, yb); };
   const auto ms = std::make_integer_sequence<int, kLinearRows>{};
 #if SPARSEDRAFT_TILES
   if (x.scalar_type() == at::kBFloat16 && !codes && k_len % 32 == 0 && tiles_on()) {
@@ -441,6 +448,7 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
     auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
       tile_rows(xv.data(), wp, k_len, m_len, n0, n1, yp, n_len);
+      finish(n0, n1);
     });
   } else
 #endif
@@ -450,7 +458,10 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
     const auto xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
     const auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     const DotFn fn = pick_dot(m_len, ms);
-    at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) { fn(xb, wp, k_len, n0, n1, yp, n_len); });
+    at::parallel_for(0, n_len, kGrain, [&](int64_t n0, int64_t n1) {
+      fn(xb, wp, k_len, n0, n1, yp, n_len);
+      finish(n0, n1);
+    });
   } else
 #endif
   {
@@ -471,15 +482,9 @@ static at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const at
       auto wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
       pick<uint16_t>(m_len, ms)(xp, wp, k_len, n0, n1, yp, n_len, paired);
     }
+    finish(n0, n1);
   });
   }
-  if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_len, "bias must be [N]");
-    yf.add_(bias.to(at::kFloat));  // after the sum, in float32: the same for every M
-  }
-  if (x.scalar_type() == at::kFloat) return yf;
-  auto out = at::empty(out_sizes, x.options());
-  store_bf16(yp, m_len * n_len, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 }
 
