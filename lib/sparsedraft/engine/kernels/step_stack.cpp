@@ -8,15 +8,61 @@
 // that added this file; engine/stack.py says where it runs).
 //
 // Exactness: the calls the Python path makes, in its order, on the same tensors (the few-row kernels, the
-// attention kernel, ATen's copies into the cache), so every row gets the Python path's bits; the tests hold the
-// two equal.
+// attention kernel), and the same copies (into the cache, between the layers' and the attention's layouts), so
+// every row gets the Python path's bits; the tests hold the two equal.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
+#include <cstring>
 #include <utility>
 #include <vector>
 
 #include "kernels.h"
+
+namespace {
+
+// The copies between layouts, as loops of contiguous D-value rows: through ATen (copy_ into a strided slice,
+// reshape of a transpose) each took about 6 us from Python, most of a layer's time outside its kernels in a w8a8
+// level-2 step (scratch, in the message of the commit that added them).
+
+// buffer [B, KV, slots, D] (rows D contiguous) at slots [start, start + T) = src [B, T, KV, D] (contiguous).
+void write_slots(const at::Tensor& buffer, const at::Tensor& src, int64_t start) {
+  TORCH_CHECK(src.is_contiguous() && src.dim() == 4 && buffer.dim() == 4 && buffer.stride(3) == 1 &&
+                  src.scalar_type() == buffer.scalar_type() && src.size(0) == buffer.size(0) &&
+                  src.size(2) == buffer.size(1) && src.size(3) == buffer.size(3),
+              "LayerStack writes [B, T, KV, D] rows into [B, KV, slots, D] buffers, got ", src.sizes(), " and ",
+              buffer.sizes());
+  const int64_t B = src.size(0), T = src.size(1), KV = src.size(2), bytes = src.size(3) * src.element_size();
+  const auto* from = static_cast<const char*>(src.data_ptr());
+  auto* to = static_cast<char*>(buffer.data_ptr());
+  const int64_t e = buffer.element_size(), sb = buffer.stride(0) * e, sh = buffer.stride(1) * e,
+                ss = buffer.stride(2) * e;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < KV; ++h)
+        std::memcpy(to + b * sb + h * sh + (start + t) * ss, from + ((b * T + t) * KV + h) * bytes, bytes);
+}
+
+// Between a step's heads [B, T, H, D] and the attention's rows [B, KV, (H / KV) T, D] (head i of a group, token t:
+// row i T + t), both contiguous: to_rows true gathers the rows, false scatters them back.
+at::Tensor regroup(const at::Tensor& x, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D, bool to_rows) {
+  TORCH_CHECK(x.is_contiguous() && x.numel() == B * T * H * D, "LayerStack regroups contiguous heads or rows, got ",
+              x.sizes());
+  at::Tensor out = to_rows ? at::empty({B, KV, H / KV * T, D}, x.options()) : at::empty({B, T, H * D}, x.options());
+  const int64_t g = H / KV, bytes = D * x.element_size();
+  const auto* from = static_cast<const char*>(x.data_ptr());
+  auto* to = static_cast<char*>(out.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t head = (b * T + t) * H + h, row = (b * KV + h / g) * g * T + h % g * T + t;
+        std::memcpy(to + (to_rows ? row : head) * bytes, from + (to_rows ? head : row) * bytes, bytes);
+      }
+  return out;
+}
+
+}  // namespace
 
 LayerStack::LayerStack(std::vector<at::Tensor> head_norms, std::vector<double> head_eps,
                        std::vector<std::vector<at::Tensor>> head_lin, std::vector<at::Tensor> tail_norms,
@@ -56,11 +102,11 @@ std::vector<at::Tensor> LayerStack::run(at::Tensor x, int64_t start, int64_t sto
   for (size_t i = 0; i < k.size(); ++i) {
     const std::vector<at::Tensor> qkv =
         step_layer_head(x, head_norms[i], head_eps[i], head_lin[i], heads, cos, sin, rope_keys);
-    const at::Tensor q = qkv[0].transpose(1, 2);  // [B, H, T, D]
-    k[i].slice(2, start, stop).copy_(qkv[1].transpose(1, 2));
-    v[i].slice(2, start, stop).copy_(qkv[2].transpose(1, 2));
-    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3), kv = k[i].size(1);
-    const at::Tensor rows = q.reshape({b, kv, (h / kv) * t, d});
+    const at::Tensor& q = qkv[0];  // [B, T, H, D]
+    write_slots(k[i], qkv[1].contiguous(), start);
+    write_slots(v[i], qkv[2].contiguous(), start);
+    const int64_t b = q.size(0), t = q.size(1), h = q.size(2), d = q.size(3), kv = k[i].size(1);
+    const at::Tensor rows = regroup(q.contiguous(), b, t, h, kv, d, true);
     const auto f32 = [](const at::Tensor& a) { return a.to(at::kFloat); };  // as kernels.attend_int8 hands them
     const at::Tensor out =
         kc.empty() ? attend(rows, k[i].slice(2, 0, stop), v[i].slice(2, 0, stop), scale, t, key_rows)
@@ -68,8 +114,8 @@ std::vector<at::Tensor> LayerStack::run(at::Tensor x, int64_t start, int64_t sto
                                  f32(k[i].slice(2, n_codes, stop)), f32(v[i].slice(2, n_codes, stop)), scale, t,
                                  key_rows)
                          .to(q.scalar_type());
-    x = step_layer_tail(x, out.reshape({b, h, t, d}).transpose(1, 2).reshape({b, t, h * d}), tail_lin[i],
-                        tail_norms[i], tail_eps[i]);
+    x = step_layer_tail(x, regroup(out.contiguous(), b, t, h, kv, d, false), tail_lin[i], tail_norms[i],
+                        tail_eps[i]);
     if (next < keep.size() && keep[next] == static_cast<int64_t>(i)) {
       kept.push_back(x);
       ++next;
