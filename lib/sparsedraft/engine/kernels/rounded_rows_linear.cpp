@@ -248,8 +248,17 @@ at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, co
   // conversions cost ~10 us each at 3 rows (scratch, in the message of the commit that added this).
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto xc = x.contiguous();
-  std::vector<int8_t> xq(m_len * k32);
-  std::vector<float> xs(m_len), wide(bf16 ? k_len : 0);
+  // Kept per calling thread (round_row writes every code, the padding too): zero-filled per call, these three
+  // were a few percent of a w8a8 level-2 step's serial time in memset (scratch, in the message of the commit
+  // that kept them). The parallel region below reads them through xqp and xsp: a thread_local named inside it
+  // would be the worker's own.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs, wide;
+  xq.resize(std::max<size_t>(xq.size(), m_len * k32));
+  xs.resize(std::max<size_t>(xs.size(), m_len));
+  wide.resize(std::max<size_t>(wide.size(), k_len));
+  const int8_t* xqp = xq.data();
+  const float* xsp = xs.data();
   for (int64_t m = 0; m < m_len; ++m) {
     const float* row = nullptr;
     if (bf16) {
@@ -277,10 +286,10 @@ at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, co
   at::parallel_for(0, n_groups, 4, [&](int64_t g0, int64_t g1) {
     int32_t acc[kGroup][kLinearRows];  // one group's sums, written out before the next (no buffer per call)
     for (int64_t g = g0; g < g1; ++g) {
-      fn(xq.data(), pp + g * nb * kGroup * kBlock, nb, k32, acc);
+      fn(xqp, pp + g * nb * kGroup * kBlock, nb, k32, acc);
       for (int64_t j = 0; j < kGroup && g * kGroup + j < n_len; ++j) {
         const int64_t n = g * kGroup + j;
-        for (int64_t m = 0; m < m_len; ++m) yp[m * n_len + n] = static_cast<float>(acc[j][m]) * (xs[m] * sp[n]);
+        for (int64_t m = 0; m < m_len; ++m) yp[m * n_len + n] = static_cast<float>(acc[j][m]) * (xsp[m] * sp[n]);
       }
     }
     finish_outputs(yp, m_len, n_len, g0 * kGroup, std::min(g1 * kGroup, n_len), bp, yb);
