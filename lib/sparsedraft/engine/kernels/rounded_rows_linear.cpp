@@ -155,6 +155,17 @@ inline __m512i four_sums(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
   return _mm512_add_epi32(_mm512_unpacklo_epi64(d01, d23), _mm512_unpackhi_epi64(d01, d23));
 }
 
+// acc + the u8 x s8 dot products of a and b, lane by lane: VPDPBUSD in place. Register blocks: through the
+// intrinsic, whose accumulator is tied to its destination, GCC 12 copied each of vnni_sums' accumulators out and
+// back every block, and with its loops not all unrolled (the pragmas below) it also stored every accumulator to
+// the stack every block (ten 64-byte stores per 128 bytes of codes at M = 5; perf put most of vnni_sums' samples
+// on them). Written as the instruction on a "+v" operand, with every loop over rows unrolled, the accumulators
+// stay in registers. The same instruction, so the same bits.
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
 // The group's four rows against M <= 8 rows of x (from row m0): rows 0-1 of a block in one register and rows
 // 2-3 in another, x's 32 codes in both halves, so lane l of a sum belongs to weight row l / 8 of its pair.
 template <int M>
@@ -162,6 +173,7 @@ void vnni_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int m
                int32_t (*acc)[kLinearRows]) {
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80)), ones = _mm512_set1_epi8(1);
   __m512i sum[2][M], codes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+#pragma GCC unroll 16
   for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm512_setzero_si512();
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* blk = g + b * kGroup * kBlock;
@@ -170,37 +182,51 @@ void vnni_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int m
       prefetch_l2(reinterpret_cast<const char*>(blk) + kWeightsAheadBytes + 64);
     }
     const __m512i w[2] = {_mm512_loadu_si512(blk), _mm512_loadu_si512(blk + 2 * kBlock)};
-    for (int h = 0; h < 2; ++h) codes[h] = _mm512_dpbusd_epi32(codes[h], ones, w[h]);
+#pragma GCC unroll 16
+    for (int h = 0; h < 2; ++h) codes[h] = dpbusd(codes[h], ones, w[h]);
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       const __m256i x32 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m0 + m) * k32 + b * kBlock));
       const __m512i xu = _mm512_xor_si512(_mm512_broadcast_i64x4(x32), bias);
-      for (int h = 0; h < 2; ++h) sum[h][m] = _mm512_dpbusd_epi32(sum[h][m], xu, w[h]);
+#pragma GCC unroll 16
+      for (int h = 0; h < 2; ++h) sum[h][m] = dpbusd(sum[h][m], xu, w[h]);
     }
   }
   // registers 0 .. M - 1: the rows of x; register M: the code sums. Exact int32 adds, so any tree gives the bits.
   constexpr int kSets = M / 4 + 1;
   __m512i rows[4 * kSets];
+#pragma GCC unroll 16
   for (int m = 0; m < M; ++m) rows[m] = by_row(sum[0][m], sum[1][m]);
   rows[M] = by_row(codes[0], codes[1]);
+#pragma GCC unroll 16
   for (int i = M + 1; i < 4 * kSets; ++i) rows[i] = _mm512_setzero_si512();
   alignas(64) int32_t sums[kSets][16];
+#pragma GCC unroll 16
   for (int t = 0; t < kSets; ++t)
     _mm512_store_si512(sums[t], four_sums(rows[4 * t], rows[4 * t + 1], rows[4 * t + 2], rows[4 * t + 3]));
+#pragma GCC unroll 16
   for (int j = 0; j < kGroup; ++j) {
     const int32_t code_sum = sums[M / 4][4 * j + M % 4];
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) acc[j][m0 + m] = sums[m / 4][4 * j + m % 4] - 128 * code_sum;
   }
 }
 #endif
 
 // The four rows of one group. VNNI: all four at once, for 8 rows of x at a time (the second eight read the
-// group from L1). AVX2 and portable: in one pass for up to 2 rows of x, in passes of two weight rows (the
+// group from L1), from 3 rows on; 1-2 rows take AVX2's sums there too, which on a 2-core Zen 4 EPYC read every
+// w8a8 matrix of SmolLM2 10% faster for one row than VNNI's (its code sums are half of a one-row block's
+// products; scratch, in the message of the commit that added this). AVX2 and portable: in one pass for up to 2 rows of x, in passes of two weight rows (the
 // group's second pass from L1) up to 5, one at a time beyond, so the accumulators fit 16 registers.
 template <int M>
 void group_rows(const int8_t* xq, const int8_t* group, int64_t nb, int64_t k32, int32_t (*acc)[kLinearRows]) {
 #if SPARSEDRAFT_VNNI
-  vnni_sums<(M < 8 ? M : 8)>(xq, group, nb, k32, 0, true, acc);
-  if constexpr (M > 8) vnni_sums<M - 8>(xq, group, nb, k32, 8, false, acc);
+  if constexpr (M <= 2) {
+    group_sums<M, 4>(xq, group, nb, k32, 0, true, acc);
+  } else {
+    vnni_sums<(M < 8 ? M : 8)>(xq, group, nb, k32, 0, true, acc);
+    if constexpr (M > 8) vnni_sums<M - 8>(xq, group, nb, k32, 8, false, acc);
+  }
 #else
   if constexpr (M <= 2) {
     group_sums<M, 4>(xq, group, nb, k32, 0, true, acc);
