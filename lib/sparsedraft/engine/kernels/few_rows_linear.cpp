@@ -195,7 +195,10 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
 #if defined(__AVX512F__)
   // NB weight rows side by side: more loads in flight and each x load feeds NB multiply-adds; the
   // order of operations for one (row, output) pair stays the same. NB shrinks as M grows so that
-  // NB * M accumulators fit the 32 vector registers.
+  // NB * M accumulators fit the 32 vector registers. They stay there only with every loop over them unrolled
+  // (the pragmas): otherwise GCC 12 kept vacc in memory and stored each accumulator every 16 inputs, as many
+  // bytes stored as read at one row, and at 7-12 rows the stores were the bound (scratch, in the message of
+  // the commit that added the pragmas).
   // Each group of this call asks for the rows `ahead` past its own (worked out once per call, not per group).
   constexpr int NB = M <= 4 ? 4 : (M <= 12 ? 2 : 1);
   const int64_t ahead = ahead_rows(NB, k_len * sizeof(W));
@@ -210,7 +213,9 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
 #if defined(__AVX512F__)
     if (NB > 1 && n + NB <= n1) {
       __m512 vacc[NB][M];
+#pragma GCC unroll 16
       for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 16
         for (int m = 0; m < M; ++m) vacc[j][m] = _mm512_setzero_ps();
       for (int64_t k = 0; k < full; k += kLanes) {
         // The next group's share into L2, NB lines per NB lines consumed: with several rows of x the hardware
@@ -220,18 +225,24 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
           for (int j = 0; j < NB; ++j)
             prefetch_l2(reinterpret_cast<const char*>(wn + ahead * k_len + k * NB) + j * 64);
         __m512 wv[NB];
+#pragma GCC unroll 16
         for (int j = 0; j < NB; ++j) wv[j] = load16(wn + j * k_len + k);
+#pragma GCC unroll 16
         for (int m = 0; m < M; ++m) {
           const __m512 xv = _mm512_loadu_ps(xf + m * k_len + k);
+#pragma GCC unroll 16
           for (int j = 0; j < NB; ++j) vacc[j][m] = _mm512_fmadd_ps(xv, wv[j], vacc[j][m]);
         }
       }
+#pragma GCC unroll 16
       for (int j = 0; j < NB; ++j) {
         if (full == k_len) {
+#pragma GCC unroll 16
           for (int m = 0; m < M; ++m) yf[m * n_len + n + j] = reduce16(vacc[j][m]);
           continue;
         }
         alignas(64) float lanes[M][kLanes];
+#pragma GCC unroll 16
         for (int m = 0; m < M; ++m) _mm512_store_ps(lanes[m], vacc[j][m]);
         for (int64_t k = full; k < k_len; ++k) {
           const float wk = load(wn + j * k_len + k);
@@ -243,16 +254,20 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
       continue;
     }
     __m512 vacc[M];
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) vacc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < full; k += kLanes) {
       if ((k * sizeof(W)) % 64 == 0) prefetch_l2(reinterpret_cast<const char*>(wn + ahead * k_len + k));
       const __m512 wv = load16(wn + k);
+#pragma GCC unroll 16
       for (int m = 0; m < M; ++m) vacc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * k_len + k), wv, vacc[m]);
     }
     if (full == k_len) {
+#pragma GCC unroll 16
       for (int m = 0; m < M; ++m) yf[m * n_len + n] = reduce16(vacc[m]);
       continue;
     }
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) _mm512_store_ps(acc[m], vacc[m]);
 #elif defined(SPARSEDRAFT_AVX2)
     if (pairs) {
