@@ -198,9 +198,11 @@ void rows(const float* xf, const W* w, int64_t k_len, int64_t n0, int64_t n1, fl
   // NB * M accumulators fit the 32 vector registers. They stay there only with every loop over them unrolled
   // (the pragmas): otherwise GCC 12 kept vacc in memory and stored each accumulator every 16 inputs, as many
   // bytes stored as read at one row, and at 7-12 rows the stores were the bound (scratch, in the message of
-  // the commit that added the pragmas).
+  // the commit that added the pragmas). One row takes the single-row loop: its four-row block without those
+  // stores read SmolLM2's fp32 weights 5-9% slower than with them, the single-row loop as fast (scratch, in the
+  // message of the commit that made one row take it).
   // Each group of this call asks for the rows `ahead` past its own (worked out once per call, not per group).
-  constexpr int NB = M <= 4 ? 4 : (M <= 12 ? 2 : 1);
+  constexpr int NB = M == 1 ? 1 : (M <= 4 ? 4 : (M <= 12 ? 2 : 1));
   const int64_t ahead = ahead_rows(NB, k_len * sizeof(W));
 #elif defined(SPARSEDRAFT_AVX2)
   constexpr int NB = M == 1 ? 3 : (M <= 2 ? 2 : 1);
