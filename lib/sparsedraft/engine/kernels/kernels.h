@@ -29,9 +29,9 @@ inline uint16_t float_to_bf16(float f) {
 
 // Outputs [n0, n1) of each of the m rows of a linear kernel's float32 sums y [m][n]: bias (float32, may be null)
 // added after the sum, then, where out is given, rounded once into bf16. The linear kernels call it on the
-// outputs each thread has just written, inside their parallel region: run after it, by one thread, the
-// rounding and the zeroed buffer it read from were a fifth of a w8a8 draft step's serial time (scratch, in
-// the message of the commit that added this).
+// outputs each thread has just written, inside their parallel region, where one thread did it after the
+// region, from a zero-filled buffer, while the other waited (scratch, in the message of the commit that added
+// this).
 inline void finish_outputs(float* y, int64_t m, int64_t n, int64_t n0, int64_t n1, const float* bias,
                            uint16_t* out) {
   for (int64_t r = 0; r < m; ++r) {

@@ -51,8 +51,8 @@ constexpr int64_t kBlock = 32;  // inputs per packed block of a row
 
 // max |x[k]| over k < n (NaNs skipped, as std::max skips them): a max is the same in any order, so the lanes
 // below give the scalar loop's bits. Written out because GCC leaves that loop scalar, one dependent max per
-// input: 3 cycles each, which made rounding the rows two fifths of a w8a8 draft step's time on one thread
-// while the other waited (scratch, in the message of the commit that added this).
+// input, run by one thread while the other waits: it was half of this kernel's serial time in a w8a8 level-2
+// step (scratch, in the message of the commit that added this).
 float abs_max(const float* x, int64_t n) {
   float amax = 0.0f;
   int64_t k = 0;
@@ -216,8 +216,9 @@ void vnni_sums(const int8_t* xq, const int8_t* g, int64_t nb, int64_t k32, int m
 // The four rows of one group. VNNI: all four at once, for 8 rows of x at a time (the second eight read the
 // group from L1), from 3 rows on; 1-2 rows take AVX2's sums there too, which on a 2-core Zen 4 EPYC read every
 // w8a8 matrix of SmolLM2 10% faster for one row than VNNI's (its code sums are half of a one-row block's
-// products; scratch, in the message of the commit that added this). AVX2 and portable: in one pass for up to 2 rows of x, in passes of two weight rows (the
-// group's second pass from L1) up to 5, one at a time beyond, so the accumulators fit 16 registers.
+// products; scratch, in the message of the commit that added this). AVX2 and portable: in one pass for up to
+// 2 rows of x, in passes of two weight rows (the group's second pass from L1) up to 5, one at a time beyond, so
+// the accumulators fit 16 registers.
 template <int M>
 void group_rows(const int8_t* xq, const int8_t* group, int64_t nb, int64_t k32, int32_t (*acc)[kLinearRows]) {
 #if SPARSEDRAFT_VNNI
@@ -275,8 +276,8 @@ at::Tensor rounded_rows_linear(const at::Tensor& x, const at::Tensor& packed, co
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto xc = x.contiguous();
   // Kept per calling thread (round_row writes every code, the padding too): zero-filled per call, these three
-  // were a few percent of a w8a8 level-2 step's serial time in memset (scratch, in the message of the commit
-  // that kept them). The parallel region below reads them through xqp and xsp: a thread_local named inside it
+  // put 2.9% of the calling thread's samples of a w8a8 level-2 step in memset (scratch, in the message of the
+  // commit that kept them). The parallel region below reads them through xqp and xsp: a thread_local named inside it
   // would be the worker's own.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xs, wide;

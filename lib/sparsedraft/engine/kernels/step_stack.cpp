@@ -23,8 +23,8 @@
 namespace {
 
 // The copies between layouts, as loops of contiguous D-value rows: through ATen (copy_ into a strided slice,
-// reshape of a transpose) each took about 6 us from Python, most of a layer's time outside its kernels in a w8a8
-// level-2 step (scratch, in the message of the commit that added them).
+// reshape of a transpose) each took about 6 us from Python, four of them a layer (scratch, in the message of the
+// commit that added them).
 
 // buffer [B, KV, slots, D] (rows D contiguous) at slots [start, start + T) = src [B, T, KV, D] (contiguous).
 void write_slots(const at::Tensor& buffer, const at::Tensor& src, int64_t start) {
