@@ -4,8 +4,9 @@ needs Python.
 Why: a step makes three kernel calls a layer (``kernels.layer_head``, ``attend``, ``layer_tail``), and the Python
 between them (module calls, the cache's index writes, argument checks) took about 2 ms of a 14 ms bf16
 SmolLM2-135M decode on a 2-core Zen 4 EPYC whatever its context (the replayed kernel calls alone took the rest;
-scratch, in the message of the commit that added this file), a seventh of the step and more of a draft level's. ``kernels.layer_stack`` makes the same calls in the same
-order in C++, so every row keeps the Python path's bits (``tests/test_layer_stack.py``).
+scratch, in the message of the commit that added this file), a seventh of the step and more of a draft level's.
+``kernels.layer_stack`` makes the same calls in the same order in C++, so every row keeps the Python path's bits
+(``tests/test_layer_stack.py``).
 
 Where: :func:`model.run_layers` asks :func:`run` first. It runs a step whose cache's step is plain
 (:meth:`KVCache.step_slots`: a :class:`StaticCache`, or a :class:`RetrievalCache` over full-precision or int8
