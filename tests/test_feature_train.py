@@ -383,6 +383,11 @@ def test_agreement_summary_reads_the_committed_drafters_record():
     assert agreement_summary(with_slice)["slice_first_draft_continuations"] == 0.1
     empty = agreement_summary({})
     assert empty["best_gamma"] is None and empty["first_draft_continuations"] is None
+    assert (empty["runs"], empty["steps_all_runs"], empty["started_from"]) == (1, 0, "")
+    warm = {"steps": 3, "started_from": {"steps": 2, "command": "python -m sparsedraft train-drafter --out-dir runs/a "
+                                                                "--lr 1e-3", "started_from": {"steps": 5}}}
+    assert {k: agreement_summary(warm)[k] for k in ("runs", "steps_all_runs", "started_from")} == {
+        "runs": 3, "steps_all_runs": 10, "started_from": "runs/a"}
 
 
 def test_the_agreement_bench_measures_a_folder_as_the_training_run_would(tmp_path, capsys, monkeypatch):

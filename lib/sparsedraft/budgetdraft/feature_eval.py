@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -427,13 +428,20 @@ def agreement_summary(record: dict[str, Any]) -> dict[str, Any]:
     """The agreement figures a training run wrote into its drafter's record, flat: (a) ``first_draft_held_out``,
     (b) ``first_draft_continuations``, (c) at the gamma that keeps the most tokens per round ``best_gamma`` and
     ``kept_per_round``, and the slice drafter's (b) where the run measured one (else None); with the run's
-    steps, training tokens, warm start, date and commit, so a table of drafters names where each figure came from."""
+    steps, training tokens, date and commit, and for a warm-started drafter the runs behind it (``runs``, the
+    steps of all of them, the run folder it started from), so a table of drafters names where each figure came
+    from."""
     measured, held = record.get("measured", {}), record.get("held_out_agreement", {})
     gammas = measured.get("gamma", {})
     best = max(gammas, key=lambda g: gammas[g]["tokens_per_round"]) if gammas else None
     slice_seen = measured.get("slice_first_draft")
+    chain = [record]
+    while isinstance(chain[-1].get("started_from"), dict):
+        chain.append(chain[-1]["started_from"])
+    parent = re.search(r"--out-dir (\S+)", chain[1].get("command", "")) if len(chain) > 1 else None
     return {"steps": record.get("steps"), "train_tokens": record.get("data", {}).get("train_tokens"),
-            "started_from": record.get("started_from") or "", "first_draft_held_out": held.get("first_draft"),
+            "runs": len(chain), "steps_all_runs": sum(run.get("steps") or 0 for run in chain),
+            "started_from": parent.group(1) if parent else "", "first_draft_held_out": held.get("first_draft"),
             "first_draft_continuations": measured.get("first_draft"), "best_gamma": int(best) if best else None,
             "kept_per_round": gammas[best]["accepted_per_round"] if best else None,
             "slice_first_draft_continuations": slice_seen.get("first_draft") if isinstance(slice_seen, dict) else None,
