@@ -33,6 +33,8 @@ DRAFTER_RUN := outputs/feature-drafter/default
 DRAFTER_SELF := outputs/feature-drafter/selfdistill-128
 DRAFTER_SETS := outputs/feature-drafter/selfdistill-384
 DRAFTER_MORE := outputs/feature-drafter/selfdistill-384-more
+DRAFTER_LOOKUP := outputs/feature-drafter/lookup-run5-128
+DRAFTER_GATE := outputs/feature-drafter/gate-run5-64
 
 # `make TORCH=torch gpu-check GPU_CHECK="--context 65536"`: extra flags (`python -m sparsedraft gpu-check -h`).
 GPU_CHECK ?=
@@ -69,10 +71,14 @@ reproduce: install
 # The committed default feature drafter, remade from scratch as its record says it was made: the default recipe
 # (teacher data cached under data/cache, then 400 steps), the same run resumed under a 1200-step schedule, then a
 # warm start from that drafter on 128 of the target's own sampled continuations (self-distillation, 300 steps),
-# then two warm starts on 384 of them (600 steps each, the second at a lower learning rate).
+# then two warm starts on 384 of them (600 steps each, the second at a lower learning rate); then run 6 gives that
+# head prompt lookup's proposal as an input, trained through its 16 + 512 window on 128 of the target's greedy
+# continuations (600 steps), and run 7 fits a gate on lookup's matches alone, on 64 greedy continuations the head
+# never trained on (docs/feature-drafter.md, "Where the default drafter stands").
 # data/drafters/feature/feature_drafter.json holds the last run's `command` and, nested under `started_from`, the
-# four before it (run 4's names data/drafters/feature, which then held run 3's export, the same weights as
-# $(DRAFTER_SELF)/drafter). The sampling batch of 64 peaks at ~10.5 GB.
+# six before it (run 4's names data/drafters/feature, which then held run 3's export, the same weights as
+# $(DRAFTER_SELF)/drafter; run 6's names outputs/drafters/feature, which held run 5's). Runs 3-5 sample 64
+# continuations at a time and peak at ~10.5 GB; runs 6-7 sample 32 at a time (peak RSS 5.9 GB).
 # `make reproduce` copies the committed folder to where benches and notebooks read it, so it never retrains.
 drafter: install
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --steps 400 --out-dir $(DRAFTER_RUN)
@@ -85,7 +91,15 @@ drafter: install
 		--out-dir $(DRAFTER_SETS)
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_SETS)/drafter \
 		--sampled-sequences 128 --sampled-sets 3 --sample-batch 64 --steps 600 --lr 3e-4 --eval-every 100 \
-		--out-dir $(DRAFTER_MORE) --export $(DRAFTER)
+		--out-dir $(DRAFTER_MORE)
+	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_MORE)/drafter \
+		--lookup-input --head-window 16 512 --sampled-sequences 128 --sample-batch 32 --temperature 0 \
+		--steps 600 --lr 5e-4 --eval-every 100 --teacher-dir data/cache/feature --out-dir $(DRAFTER_LOOKUP)
+	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_LOOKUP)/drafter \
+		--sequences 0 --pydoc-sequences 0 --sampled-sequences 64 --sampled-offset 128 --sample-batch 32 \
+		--temperature 0 --head-window 16 512 --lookup-input --lookup-gate --train-only lookup_bias --lam 0 \
+		--steps 300 --lr 2e-3 --eval-every 100 --teacher-dir data/cache/feature --out-dir $(DRAFTER_GATE) \
+		--export $(DRAFTER)
 
 # JupyterLab on notebooks/ with the venv's sparsedraft kernel (the notebooks' kernelspec)
 lab: install
