@@ -428,9 +428,9 @@ def agreement_summary(record: dict[str, Any]) -> dict[str, Any]:
     """The agreement figures a training run wrote into its drafter's record, flat: (a) ``first_draft_held_out``,
     (b) ``first_draft_continuations``, (c) at the gamma that keeps the most tokens per round ``best_gamma`` and
     ``kept_per_round``, and the slice drafter's (b) where the run measured one (else None); with the run's
-    steps, training tokens, date and commit, and for a warm-started drafter the runs behind it (``runs``, the
-    steps of all of them, the run folder it started from), so a table of drafters names where each figure came
-    from."""
+    steps, training tokens, date and commit, and for a warm-started drafter the runs behind it (``runs``: the
+    records nested under ``started_from`` and its own, a resumed run counting once; the steps of all of them; the
+    run folder it started from), so a table of drafters names where each figure came from."""
     measured, held = record.get("measured", {}), record.get("held_out_agreement", {})
     gammas = measured.get("gamma", {})
     best = max(gammas, key=lambda g: gammas[g]["tokens_per_round"]) if gammas else None
