@@ -42,7 +42,7 @@ from typing import Mapping
 
 import torch
 
-from ..engine.cache import KVCache, causal_mask
+from ..engine.cache import CAUSAL, Causal, KVCache, causal_mask
 from ..engine.config import ModelConfig
 from ..errors import require
 from .retrieval import mean_key_scores
@@ -152,7 +152,7 @@ class BudgetCache(KVCache):
         self.chosen: list[torch.Tensor] = []  # per layer: [B, kept] chunk ids (keys: [B, KV, kept]), ascending
         self._open = False  # forwards before select() are allowed only after open_prefix()
         self._new = 0
-        self._mask: torch.Tensor | None = None
+        self._mask: torch.Tensor | Causal | None = None
 
     def open_prefix(self) -> None:
         """Declare that the next forwards are the prefix, to be scored and cut by :meth:`select`."""
@@ -173,10 +173,9 @@ class BudgetCache(KVCache):
             self.pos[:, self.slots:end] = positions
             self._mask = causal_mask(positions, self.pos[:, :end], None) if n > 1 else None
         else:
-            # Slots after the selection are in position order: new token i sees slots < slots + i + 1.
-            slot = torch.arange(end, device=self.pos.device)
-            row = self.slots + torch.arange(n, device=self.pos.device)
-            self._mask = (slot <= row[:, None]).expand(self.batch, 1, n, end) if n > 1 else None
+            # Slots after the selection are in position order: new token i sees slots < slots + i + 1, the
+            # causal rule over the slots, so a drafting step takes the attention kernel and the one-call stack
+            self._mask = CAUSAL
         self._new = n
         return positions
 
@@ -185,6 +184,10 @@ class BudgetCache(KVCache):
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end], self._mask
+
+    def step_slots(self) -> tuple[int, int] | None:
+        plain = self._mask is CAUSAL and type(self).attend is BudgetCache.attend
+        return (self.slots, self.slots + self._new) if plain else None
 
     def end(self) -> None:
         self.slots += self._new
