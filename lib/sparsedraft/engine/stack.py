@@ -9,11 +9,12 @@ scratch, in the message of the commit that added this file), a seventh of the st
 (``tests/test_layer_stack.py``).
 
 Where: :func:`model.run_layers` asks :func:`run` first. It runs a step whose cache's step is plain
-(:meth:`KVCache.step_slots`: a :class:`StaticCache`, or a :class:`RetrievalCache` over full-precision or int8
-slots, once its mask is causal), whose every layer takes the fused layer kernels, and that captures no
-per-layer queries or attention weights. The stack (the layers' tensors and the cache's buffers) is made once
-per cache, set of weights and kernel build (``kernels.running`` swaps builds for an A/B), kept on the cache,
-and remade when any of them changes. :func:`stack_steps` turns it off, for an A/B in one process.
+(:meth:`KVCache.step_slots`: a :class:`StaticCache`, a :class:`RetrievalCache` over full-precision or int8
+slots once its mask is causal, or a :class:`BudgetCache` after its chunk selection), whose every layer takes
+the fused layer kernels, and that captures no per-layer queries or attention weights. The stack (the layers'
+tensors and the cache's buffers) is made once per cache, set of weights and kernel build (``kernels.running``
+swaps builds for an A/B), kept on the cache, and remade when any of them changes. :func:`stack_steps` turns it
+off, for an A/B in one process.
 """
 
 from __future__ import annotations
