@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from sparsedraft.caches import RetrievalCache
+from sparsedraft.caches import BudgetCache, RetrievalCache
 from sparsedraft.caches.kv_quant import QuantizedRetrievalCache
 from sparsedraft.engine import kernels, model as engine, stack
 from sparsedraft.engine.model import Block, Capture
 from sparsedraft.engine.quant import draft_copy
 from sparsedraft.engine.tiny import tiny_model
+from sparsedraft.speculative.budget import budget_prefill
 
 
 @pytest.fixture
@@ -119,6 +120,32 @@ def test_retrieval_views_step_through_the_stack_over_full_precision_and_int8_slo
     for kind in ("same", "int8", "int4"):
         _same(outputs[kind, True], outputs[kind, False])
     assert not torch.equal(outputs["same", True][0], outputs["int8", True][0])  # the codes were read
+
+
+def test_budget_draft_steps_after_the_selection_step_through_the_stack(built, monkeypatch):
+    """BudgetDraft's cache: its prefix forward keeps the layer-by-layer path (it captures the attention that
+    scores the chunks), and every step after the selection is plainly causal over the kept slots, so it runs in
+    one call with the layer-by-layer bits, and a 4-token step gives each row what four 1-token steps give."""
+    target = tiny_model("llama")
+    tokens = _tokens(target)
+    layered = _layered(monkeypatch)
+    outputs = {}
+    for on in (True, False):
+        cache = BudgetCache(target.cfg, 16, 48, 8, 16)
+        before = stack.stack_steps(on)
+        try:
+            with torch.inference_mode():
+                budget_prefill(target, cache, tokens[:, :30])
+                prefix_layers = len(layered)
+                outputs[on] = [target(tokens[:, 30:34], cache=cache)]
+                cache.rollback(4)
+                outputs[on].append(torch.cat([target(tokens[:, i:i + 1], cache=cache) for i in range(30, 34)], 1))
+        finally:
+            stack.stack_steps(before)
+        assert prefix_layers > 0 and (len(layered) == prefix_layers) == on
+        layered.clear()
+    _same(outputs[True], outputs[False])
+    assert torch.equal(outputs[True][0], outputs[True][1])
 
 
 def test_new_weights_and_new_buffers_are_read_not_the_ones_first_seen(built):
