@@ -37,9 +37,10 @@ int64_t outputs(const std::vector<at::Tensor>& lin, size_t i) {
 
 // op(a, b) elementwise for a and b of one shape and dtype (float32 or bfloat16): each pair widened to float32,
 // combined, and rounded once to the dtype, which is what ATen's add (alpha 1: its multiply by alpha is exact)
-// and mul give for finite values (a NaN stays a NaN, its payload float_to_bf16's). Written out because a step's few thousand values cost ATen's dispatch more than the arithmetic:
-// an add or mul on 5 x 576 bf16 values took 2.7 us from Python; with the copies in step_stack.cpp, about 25 us
-// a layer (scratch, in the message of the commit that added this).
+// and mul give for finite values (a NaN stays a NaN, its payload float_to_bf16's). Written out because a step's
+// few thousand values cost ATen's dispatch more than the arithmetic: an add or mul on 5 x 576 bf16 values took
+// 2.7 us from Python; with the copies in step_stack.cpp, about 25 us a layer (scratch, in the message of the
+// commit that added this).
 template <class Op>
 at::Tensor pointwise(const at::Tensor& a_in, const at::Tensor& b_in, Op op) {
   TORCH_CHECK(a_in.sizes() == b_in.sizes() && a_in.scalar_type() == b_in.scalar_type() &&
