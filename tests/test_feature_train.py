@@ -388,6 +388,8 @@ def test_agreement_summary_reads_the_committed_drafters_record():
                                                                 "--lr 1e-3", "started_from": {"steps": 5}}}
     assert {k: agreement_summary(warm)[k] for k in ("runs", "steps_all_runs", "started_from")} == {
         "runs": 3, "steps_all_runs": 10, "started_from": "runs/a"}
+    warm["started_from"]["command"] = "python -m sparsedraft train-drafter --out-dir=runs/b"
+    assert agreement_summary(warm)["started_from"] == "runs/b"
 
 
 def test_the_agreement_bench_measures_a_folder_as_the_training_run_would(tmp_path, capsys, monkeypatch):

@@ -438,7 +438,7 @@ def agreement_summary(record: dict[str, Any]) -> dict[str, Any]:
     chain = [record]
     while isinstance(chain[-1].get("started_from"), dict):
         chain.append(chain[-1]["started_from"])
-    parent = re.search(r"--out-dir (\S+)", chain[1].get("command", "")) if len(chain) > 1 else None
+    parent = re.search(r"--out-dir[= ](\S+)", chain[1].get("command", "")) if len(chain) > 1 else None
     return {"steps": record.get("steps"), "train_tokens": record.get("data", {}).get("train_tokens"),
             "runs": len(chain), "steps_all_runs": sum(run.get("steps") or 0 for run in chain),
             "started_from": parent.group(1) if parent else "", "first_draft_held_out": held.get("first_draft"),
