@@ -78,9 +78,7 @@ reproduce: install
 # data/drafters/feature/feature_drafter.json holds the last run's `command` and, nested under `started_from`, the
 # six before it (run 4's names data/drafters/feature, which then held run 3's export, the same weights as
 # $(DRAFTER_SELF)/drafter; run 6's names outputs/drafters/feature, which held run 5's). Runs 3-5 sample 64
-# continuations at a time and peak at ~10.5 GB; runs 6-7 sample 32 at a time (peak RSS 5.9 GB). Runs 6-7 were made
-# with --teacher-dir data/cache/feature; here they share runs 1-5's teacher cache, whose essay and documentation
-# windows they read, instead of computing them again (a cache folder only: the same data).
+# continuations at a time and peak at ~10.5 GB; runs 6-7 sample 32 at a time (peak RSS 5.9 GB).
 # `make reproduce` copies the committed folder to where benches and notebooks read it, so it never retrains.
 drafter: install
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --steps 400 --out-dir $(DRAFTER_RUN)
@@ -96,11 +94,11 @@ drafter: install
 		--out-dir $(DRAFTER_MORE)
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_MORE)/drafter \
 		--lookup-input --head-window 16 512 --sampled-sequences 128 --sample-batch 32 --temperature 0 \
-		--steps 600 --lr 5e-4 --eval-every 100 --out-dir $(DRAFTER_LOOKUP)
+		--steps 600 --lr 5e-4 --eval-every 100 --teacher-dir data/cache/feature --out-dir $(DRAFTER_LOOKUP)
 	$(BIN)/python -m sparsedraft train-drafter --kind feature --head-init $(DRAFTER_LOOKUP)/drafter \
 		--sequences 0 --pydoc-sequences 0 --sampled-sequences 64 --sampled-offset 128 --sample-batch 32 \
 		--temperature 0 --head-window 16 512 --lookup-input --lookup-gate --train-only lookup_bias --lam 0 \
-		--steps 300 --lr 2e-3 --eval-every 100 --out-dir $(DRAFTER_GATE) \
+		--steps 300 --lr 2e-3 --eval-every 100 --teacher-dir data/cache/feature --out-dir $(DRAFTER_GATE) \
 		--export $(DRAFTER)
 
 # JupyterLab on notebooks/ with the venv's sparsedraft kernel (the notebooks' kernelspec)
